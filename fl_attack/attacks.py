@@ -1,0 +1,452 @@
+"""SPEAR and SPEAR++: exact recovery of a batch from a linear+ReLU layer's gradient."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from fl_attack.candidates import CandidatePool
+from fl_attack.mixtures import split_mixtures
+from fl_attack.last_direction import scan_last_direction
+from fl_attack.lowrank import LowRankFactors, decompose
+from fl_attack.observation import ArrayLike, ObservedUpdate, resolve_device
+from fl_attack.reconstruction import Reconstruction
+from fl_attack.selection import Selection, SparsityMatchingScorer, select
+from fl_attack.sparsity import ZeroTolerance, kernel_of_smallest, min_sparsity
+from fl_attack.sphere_search import (
+    OPTIMIZERS,
+    SphereSchedule,
+    get_surrogate,
+    optimize_on_sphere,
+    random_directions,
+    sampling_rounding,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SearchState:
+    """Mutable bookkeeping of one ``invert`` call."""
+
+    factors: LowRankFactors
+    pool: CandidatePool
+    generator: torch.Generator
+    deadline: float
+    stats: dict[str, Any]
+    active: torch.Tensor
+
+
+class GradientInversionAttack(ABC):
+    """Shared pipeline: decompose, propose directions, filter, select, rescale.
+
+    Subclasses only say how proposals for the columns of the disaggregation matrix are made.
+
+    Parameters
+    ----------
+    device
+        ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a ``torch.device``.
+    seed
+        Seed of the attack's own random generator; the same seed on the same device gives
+        the same reconstruction.
+    time_budget
+        Seconds after which the search stops and returns the best reconstruction so far.
+    false_rejection
+        Probability of wrongly discarding a correct direction by the sparsity filter
+        (SPEAR Sec. 4.1); sets the minimum zero fraction ``tau``.
+    accept_matching
+        The search stops early once every selected sample has at least this
+        sparsity-matching coefficient.
+    noise_level
+        Known relative noise ``s_{b+1}/s_b`` of the gradient; estimated from the spectrum when None.
+    zero_tolerance_factor
+        Entries below ``factor * noise`` (relative to a unit column) count as exact zeros.
+    split_rounds
+        Rounds of mixture splitting (:mod:`fl_attack.mixtures`) after each selection that is
+        not yet accepted; 0 disables it, as in the papers.
+    progress
+        Show a progress bar; ``None`` shows one only when stderr is a terminal.
+    """
+
+    name = "attack"
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device = "auto",
+        seed: int | None = 0,
+        time_budget: float | None = 600.0,
+        false_rejection: float = 1e-5,
+        accept_matching: float = 0.99,
+        noise_level: float | None = None,
+        zero_tolerance_factor: float = 30.0,
+        split_rounds: int = 4,
+        progress: bool | None = None,
+    ) -> None:
+        if time_budget is not None and time_budget <= 0:
+            raise ValueError(f"time_budget must be positive, got {time_budget}")
+        if not 0 < false_rejection < 1:
+            raise ValueError(f"false_rejection must be in (0, 1), got {false_rejection}")
+        if not 0 < accept_matching <= 1:
+            raise ValueError(f"accept_matching must be in (0, 1], got {accept_matching}")
+        self.device = device
+        self.seed = seed
+        self.time_budget = time_budget
+        self.false_rejection = false_rejection
+        self.accept_matching = accept_matching
+        self.noise_level = noise_level
+        self.zero_tolerance_factor = zero_tolerance_factor
+        self.split_rounds = split_rounds
+        self.progress = progress
+
+    def invert(
+        self,
+        weight_grad: ArrayLike,
+        bias_grad: ArrayLike,
+        *,
+        weight: ArrayLike,
+        bias: ArrayLike,
+        batch_size: int | None = None,
+        time_budget: float | None = None,
+        noise_level: float | None = None,
+    ) -> Reconstruction:
+        """Recover the inputs of the batch that produced a first-layer update.
+
+        Parameters
+        ----------
+        weight_grad
+            ``(m, n)`` gradient of the loss w.r.t. the layer's weight, or any update
+            proportional to it (sign and scale do not matter).
+        bias_grad
+            ``(m,)`` gradient w.r.t. the bias, with the same proportionality.
+        weight, bias
+            The layer's parameters at which the gradient was taken.
+        batch_size
+            The batch size, if known; otherwise estimated from the singular-value gap.
+        time_budget
+            Overrides the attack's time budget for this call.
+        noise_level
+            Overrides the attack's known relative noise level for this call.
+
+        Returns
+        -------
+        Reconstruction
+            ``inputs`` of shape ``(b, n)``; ``complete`` is False when fewer than ``b``
+            directions were found, and then placeholder rows have confidence 0.
+
+        Raises
+        ------
+        ValueError
+            On malformed input (shapes, NaN/Inf, all-zero gradient) or a batch size that no
+            exact attack can invert (``b >= min(m, n)``).
+        """
+        start = time.perf_counter()
+        device = resolve_device(self.device)
+        update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
+        factors = decompose(update.weight_grad, batch_size=batch_size)
+        b, m = factors.batch_size, update.width
+        noise = noise_level if noise_level is not None else self.noise_level
+        relative_noise = noise if noise is not None else factors.spectrum.relative_noise
+        tolerance = ZeroTolerance.from_noise(relative_noise, width=m, factor=self.zero_tolerance_factor)
+        budget = time_budget if time_budget is not None else self.time_budget
+        stats: dict[str, Any] = {
+            "attack": self.name,
+            "estimated_batch_size": factors.spectrum.batch_size,
+            "spectral_gap": factors.spectrum.gap,
+            "relative_noise": relative_noise,
+            "device": str(device),
+        }
+        scorer = SparsityMatchingScorer(update, factors, tolerance)
+        search_factors, active = _informative_rows(factors, tolerance)
+        stats["informative_rows"] = int(active.sum())
+        if active.sum() < b:
+            raise ValueError(
+                f"only {int(active.sum())} of {m} neurons carry gradient for this batch of {b}: "
+                "the layer has too little ReLU sparsity structure to attack"
+            )
+        tau = min_sparsity(int(active.sum()), false_rejection=self.false_rejection)
+        min_zeros = max(b, math.ceil(self._sparsity_fraction(tau) * int(active.sum())))
+        stats["min_zeros"] = min_zeros
+        cos_tolerance = min(1e-2, max(1e-9, 50.0 * relative_noise**2))
+        pool = CandidatePool(search_factors, tolerance, min_zeros=min_zeros, cos_tolerance=cos_tolerance)
+        generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
+        state = _SearchState(
+            factors=search_factors,
+            pool=pool,
+            generator=generator,
+            deadline=start + budget if budget is not None else math.inf,
+            stats=stats,
+            active=active,
+        )
+        selection = self._run(state, scorer)
+        stats.update(
+            candidates=len(pool),
+            proposals=pool.proposals_seen,
+            rejected_by_sparsity=pool.rejected_sparsity,
+            directions_found=int(selection.found.sum()),
+        )
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "%s: b=%d found=%d/%d lambda=%.4f in %.2fs", self.name, b, stats["directions_found"], b,
+            selection.sparsity_matching, elapsed,
+        )
+        return Reconstruction(
+            inputs=selection.inputs.detach().cpu(),
+            batch_size=b,
+            sparsity_matching=selection.sparsity_matching,
+            complete=selection.complete,
+            confidence=selection.per_sample.clamp_min(0).detach().cpu(),
+            seconds=elapsed,
+            stats=stats,
+        )
+
+    def _sparsity_fraction(self, tau: float) -> float:
+        return tau
+
+    def _run(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+        b = state.factors.batch_size
+        best: Selection | None = None
+        rounds = 0
+        show = self.progress
+        bar = tqdm(total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None,
+                   leave=False)
+        try:
+            proposals_iter = iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)]) \
+                if b == 1 else self._proposals(state)
+            for proposals in proposals_iter:
+                rounds += 1
+                new = state.pool.add(proposals)
+                if new == 0 and best is not None:
+                    if time.perf_counter() > state.deadline:
+                        break
+                    continue
+                if len(state.pool) >= 1:
+                    candidate = self._select_and_split(state, scorer)
+                    if best is None or _better(candidate, best):
+                        best = candidate
+                    bar.n = int(best.found.sum())
+                    bar.set_postfix(candidates=len(state.pool), matching=f"{best.sparsity_matching:.4f}")
+                    bar.refresh()
+                    if best.complete and float(best.per_sample.min()) >= self.accept_matching:
+                        break
+                if time.perf_counter() > state.deadline:
+                    state.stats["stopped_by"] = "time_budget"
+                    break
+        finally:
+            bar.close()
+        state.stats["rounds"] = rounds
+        if best is None:
+            best = select(scorer, state.pool.directions, state.pool.zero_counts)
+        return best
+
+    def _select_and_split(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+        """Select; while not accepted, split remembered mixtures into new directions and retry."""
+        pool = state.pool
+        selection = select(scorer, pool.directions, pool.zero_counts)
+        for _ in range(self.split_rounds):
+            if selection.complete and float(selection.per_sample.min()) >= self.accept_matching:
+                break
+            unselected = _rows_not_in(pool.directions, selection.directions[selection.found])
+            doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]
+            mixtures = torch.cat([pool.mixtures, unselected, doubtful], dim=0)
+            proposals = split_mixtures(state.factors, mixtures, pool.directions, pool.tolerance)
+            state.stats["split_proposals"] = state.stats.get("split_proposals", 0) + int(proposals.shape[0])
+            added = pool.add(proposals)
+            added += pool.add(self._last_direction_proposals(state, scorer, selection))
+            if added == 0:
+                break
+            selection = select(scorer, pool.directions, pool.zero_counts)
+        return selection
+
+    def _last_direction_proposals(self, state: _SearchState, scorer: SparsityMatchingScorer,
+                                  selection: Selection) -> torch.Tensor:
+        """Scan for the one direction missing (or doubtful) in an otherwise accepted selection."""
+        b = state.factors.batch_size
+        found = selection.found.clone()
+        if selection.complete:
+            doubtful = selection.per_sample < self.accept_matching
+            if int(doubtful.sum()) != 1:
+                return state.factors.left.new_zeros(0, b)
+            found &= ~doubtful
+        if int(found.sum()) != b - 1:
+            return state.factors.left.new_zeros(0, b)
+        proposals = scan_last_direction(
+            state.factors,
+            selection.directions[found],
+            pre_activation_basis=scorer.pre_activation_basis[state.active],
+            bias=scorer.update.bias[state.active],
+            tolerance=state.pool.tolerance,
+            min_zeros=state.pool.min_zeros,
+        )
+        state.stats["scan_proposals"] = state.stats.get("scan_proposals", 0) + int(proposals.shape[0])
+        return proposals
+
+    @abstractmethod
+    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
+        """Yield batches of ``(k, b)`` candidate directions until the budget is spent."""
+
+
+def _better(candidate: Selection, incumbent: Selection) -> bool:
+    key_c = (int(candidate.found.sum()), candidate.sparsity_matching)
+    key_i = (int(incumbent.found.sum()), incumbent.sparsity_matching)
+    return key_c > key_i
+
+
+def _rows_not_in(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    if rows.shape[0] == 0 or chosen.shape[0] == 0:
+        return rows
+    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (chosen / chosen.norm(dim=1, keepdim=True)).T
+    return rows[~(similarity.abs() > 1 - 1e-9).any(dim=1)]
+
+
+def _informative_rows(factors: LowRankFactors, tolerance: ZeroTolerance) -> tuple[LowRankFactors, torch.Tensor]:
+    """Drop neurons whose gradient row is zero for the whole batch: they constrain nothing."""
+    active = factors.left.norm(dim=1) > tolerance.absolute
+    return replace(factors, left=factors.left[active].contiguous()), active
+
+
+class SpearPlusPlus(GradientInversionAttack):
+    """SPEAR++: sparse directions by dictionary learning on the sphere.
+
+    Thousands of random initializations are optimized at once on the sphere; their minima
+    are rounded to exact kernels of ``b - 1`` rows, filtered and selected. Restarts draw new
+    initializations from the orthogonal complement of the directions already found until
+    ``b`` directions are selected with full sparsity matching, or the budget is spent.
+
+    Parameters
+    ----------
+    surrogate
+        ``"l1"`` (default, no rounding needed), ``"logcosh"`` or ``"neg_l4"`` (both rounded by
+        sampling, SPEAR++ Sec. 4.4).
+    optimizer
+        ``"radam"`` (Riemannian Adam, geoopt) or ``"pgd"`` (projected subgradient descent).
+    initializations
+        Initializations optimized together per round; ``None`` scales with the batch size.
+    max_initializations
+        Total initialization budget over all rounds; ``None`` means only the time budget applies.
+    schedule
+        Steps and learning rates of the optimization.
+    complement_fraction
+        Fraction of the initializations of later rounds drawn orthogonally to found directions.
+    rounding_samples, rounding_pool
+        For smooth surrogates: proposals per minimum and the fraction of smallest entries
+        they are sampled from.
+    **kwargs
+        See :class:`GradientInversionAttack`.
+    """
+
+    name = "spear++"
+
+    def __init__(
+        self,
+        *,
+        surrogate: str = "l1",
+        optimizer: str = "radam",
+        initializations: int | None = None,
+        max_initializations: int | None = None,
+        schedule: SphereSchedule | None = None,
+        complement_fraction: float = 0.5,
+        rounding_samples: int = 4,
+        rounding_pool: float = 0.4,
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.surrogate = get_surrogate(surrogate)
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; available: {list(OPTIMIZERS)}")
+        if initializations is not None and initializations < 1:
+            raise ValueError(f"initializations must be >= 1, got {initializations}")
+        if not 0 <= complement_fraction <= 1:
+            raise ValueError(f"complement_fraction must be in [0, 1], got {complement_fraction}")
+        self.optimizer = optimizer
+        self.initializations = initializations
+        self.max_initializations = max_initializations
+        self.schedule = schedule or SphereSchedule()
+        self.complement_fraction = complement_fraction
+        self.rounding_samples = rounding_samples
+        self.rounding_pool = rounding_pool
+        self.dtype = dtype
+
+    def _initializations_per_round(self, b: int, m: int) -> int:
+        if self.initializations is not None:
+            return self.initializations
+        return int(min(8192, max(256, 64 * b)))
+
+    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
+        left = state.factors.left
+        m, b = left.shape
+        per_round = self._initializations_per_round(b, m)
+        left_fast = left.to(self.dtype)
+        used = 0
+        while self.max_initializations is None or used < self.max_initializations:
+            count = per_round if self.max_initializations is None else min(per_round, self.max_initializations - used)
+            found = state.pool.directions
+            n_complement = int(count * self.complement_fraction) if len(state.pool) else 0
+            inits = [random_directions(count - n_complement, b, generator=state.generator, dtype=self.dtype,
+                                       device=left.device)]
+            if n_complement:
+                inits.append(random_directions(n_complement, b, generator=state.generator, avoid=found,
+                                               dtype=self.dtype, device=left.device))
+            minima = optimize_on_sphere(
+                left_fast, torch.cat(inits), surrogate=self.surrogate, optimizer=self.optimizer,
+                schedule=self.schedule,
+            ).to(torch.float64)
+            used += count
+            state.stats["initializations"] = used
+            if self.surrogate.needs_rounding:
+                yield sampling_rounding(left, minima, pool_fraction=self.rounding_pool,
+                                        samples=self.rounding_samples, generator=state.generator)
+            else:
+                yield kernel_of_smallest(state.factors, minima, rows=b - 1)
+            if time.perf_counter() > state.deadline:
+                return
+
+
+class Spear(GradientInversionAttack):
+    """SPEAR: directions as kernels of randomly sampled ``(b-1)``-row submatrices.
+
+    Its expected cost grows like ``2^b``: use it for small batches (``b <= 20``) or as a
+    reference for SPEAR++.
+
+    Parameters
+    ----------
+    samples_per_batch
+        Submatrices whose kernels are computed together in one batched QR.
+    max_samples
+        Total sampling budget; ``None`` means only the time budget applies.
+    **kwargs
+        See :class:`GradientInversionAttack`.
+    """
+
+    name = "spear"
+
+    def __init__(self, *, samples_per_batch: int = 4096, max_samples: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if samples_per_batch < 1:
+            raise ValueError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
+        self.samples_per_batch = samples_per_batch
+        self.max_samples = max_samples
+
+    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
+        left = state.factors.left
+        m, b = left.shape
+        used = 0
+        while self.max_samples is None or used < self.max_samples:
+            count = self.samples_per_batch if self.max_samples is None else min(self.samples_per_batch,
+                                                                                 self.max_samples - used)
+            keys = torch.rand(count, m, generator=state.generator, dtype=torch.float64)
+            rows = torch.argsort(keys, dim=1)[:, : b - 1].to(left.device)
+            q, _ = torch.linalg.qr(left[rows].transpose(1, 2), mode="complete")
+            used += count
+            state.stats["samples"] = used
+            yield q[:, :, -1]
+            if time.perf_counter() > state.deadline:
+                return

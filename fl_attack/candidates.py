@@ -1,0 +1,84 @@
+"""The pool of exact candidate directions collected during a search."""
+
+from __future__ import annotations
+
+import torch
+
+from fl_attack.lowrank import LowRankFactors
+from fl_attack.sparsity import (
+    ZeroTolerance,
+    deduplicate,
+    normalize_columns,
+    refine_on_zeros,
+    zero_masks,
+)
+
+
+class CandidatePool:
+    """Deduplicated unit directions whose gradient columns are sparse enough.
+
+    Parameters
+    ----------
+    factors
+        Low-rank factors restricted to the informative rows (see :func:`informative_rows`).
+    tolerance
+        Zero tolerance for the entries of unit gradient columns.
+    min_zeros
+        A proposal is kept only with at least this many exact zeros (the sparsity filter).
+    cos_tolerance
+        Proposals whose |cosine| with a kept direction exceeds ``1 - cos_tolerance`` are duplicates.
+    """
+
+    def __init__(self, factors: LowRankFactors, tolerance: ZeroTolerance, *, min_zeros: int,
+                 cos_tolerance: float) -> None:
+        self.factors = factors
+        self.tolerance = tolerance
+        self.min_zeros = min_zeros
+        self.cos_tolerance = cos_tolerance
+        b = factors.batch_size
+        self.directions = factors.left.new_zeros(0, b)
+        self.zero_counts = torch.zeros(0, dtype=torch.long, device=factors.left.device)
+        self.mixtures = factors.left.new_zeros(0, b)
+        self.mixture_limit = 4 * b
+        self.proposals_seen = 0
+        self.rejected_sparsity = 0
+
+    def __len__(self) -> int:
+        return int(self.directions.shape[0])
+
+    def add(self, proposals: torch.Tensor) -> int:
+        """Refine, filter and deduplicate ``(k, b)`` proposals; returns how many were new."""
+        if proposals.shape[0] == 0:
+            return 0
+        self.proposals_seen += int(proposals.shape[0])
+        proposals = proposals[torch.isfinite(proposals).all(dim=1)]
+        # cheap first pass: most proposals are duplicates of each other or too dense
+        proposals = normalize_columns(proposals)
+        proposals = proposals[deduplicate(proposals, cos_tolerance=self.cos_tolerance)]
+        counts = zero_masks(self.factors, proposals, self.tolerance).sum(dim=1)
+        sparse = counts >= self.factors.batch_size - 1
+        proposals = proposals[sparse]
+        if proposals.shape[0] == 0:
+            return 0
+        proposals = normalize_columns(refine_on_zeros(self.factors, proposals, self.tolerance))
+        counts = zero_masks(self.factors, proposals, self.tolerance).sum(dim=1)
+        keep = counts >= self.min_zeros
+        self.rejected_sparsity += int((~keep).sum())
+        # more zeros than the b - 1 any kernel has: a sparse mixture of a few samples
+        self._remember_mixtures(proposals[~keep & (counts >= self.factors.batch_size + 2)])
+        proposals, counts = proposals[keep], counts[keep]
+        if proposals.shape[0] == 0:
+            return 0
+        proposals_and_pool = torch.cat([self.directions, proposals], dim=0)
+        kept = deduplicate(proposals_and_pool, cos_tolerance=self.cos_tolerance)
+        new = kept[kept >= len(self)] - len(self)
+        self.directions = torch.cat([self.directions, proposals[new]], dim=0)
+        self.zero_counts = torch.cat([self.zero_counts, counts[new]], dim=0)
+        return int(new.numel())
+
+    def _remember_mixtures(self, mixtures: torch.Tensor) -> None:
+        if mixtures.shape[0] == 0:
+            return
+        merged = torch.cat([self.mixtures, mixtures], dim=0)
+        merged = merged[deduplicate(merged, cos_tolerance=self.cos_tolerance)]
+        self.mixtures = merged[-self.mixture_limit:]

@@ -1,0 +1,119 @@
+"""What the honest-but-curious server observes, validated and converted for the attack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import torch
+
+ArrayLike = Union[np.ndarray, torch.Tensor]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Map ``"auto"`` to CUDA when available and CPU otherwise."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was requested but CUDA is not available")
+    return resolved
+
+
+def _as_tensor(value: ArrayLike, *, name: str, device: torch.device) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        if not np.issubdtype(value.dtype, np.floating) and not np.issubdtype(value.dtype, np.integer):
+            raise TypeError(f"{name} must hold real numbers, got dtype {value.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(value))
+    elif isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(f"{name} must hold real numbers, got dtype {value.dtype}")
+        tensor = value.detach()
+    else:
+        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(value).__name__}")
+    tensor = tensor.to(device=device, dtype=torch.float64)
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"{name} contains {bad} NaN or Inf entries")
+    return tensor
+
+
+@dataclass(frozen=True)
+class ObservedUpdate:
+    """A first linear layer's update and parameters, as the server sees them.
+
+    ``weight_grad`` may be the gradient itself or any update proportional to it
+    (``W_new - W_old`` after a FedSGD step): the attack is invariant to sign and scale.
+
+    Attributes
+    ----------
+    weight_grad, bias_grad
+        ``(m, n)`` and ``(m,)`` float64 tensors on the attack device.
+    weight, bias
+        ``(m, n)`` and ``(m,)`` float64 layer parameters at which the update was computed.
+    """
+
+    weight_grad: torch.Tensor
+    bias_grad: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        """``m``: the number of neurons of the attacked layer."""
+        return int(self.weight_grad.shape[0])
+
+    @property
+    def input_dim(self) -> int:
+        """``n``: the dimension of one layer input."""
+        return int(self.weight_grad.shape[1])
+
+    @classmethod
+    def from_arrays(
+        cls,
+        weight_grad: ArrayLike,
+        bias_grad: ArrayLike,
+        *,
+        weight: ArrayLike,
+        bias: ArrayLike,
+        device: torch.device,
+    ) -> "ObservedUpdate":
+        """Validate shapes and values and convert everything to float64 on ``device``.
+
+        Raises
+        ------
+        ValueError
+            On wrong shapes, mismatched ``m``/``n``, NaN/Inf, or an all-zero gradient.
+        TypeError
+            On inputs that are not real-valued arrays or tensors.
+        """
+        weight_grad_t = _as_tensor(weight_grad, name="weight_grad", device=device)
+        bias_grad_t = _as_tensor(bias_grad, name="bias_grad", device=device)
+        weight_t = _as_tensor(weight, name="weight", device=device)
+        bias_t = _as_tensor(bias, name="bias", device=device)
+        if weight_grad_t.ndim != 2:
+            raise ValueError(f"weight_grad must be a 2-D (m, n) matrix, got shape {tuple(weight_grad_t.shape)}")
+        m, n = weight_grad_t.shape
+        if bias_grad_t.shape != (m,):
+            raise ValueError(
+                f"bias_grad must have shape (m,) = ({m},) to match weight_grad {tuple(weight_grad_t.shape)}, "
+                f"got {tuple(bias_grad_t.shape)}"
+            )
+        if weight_t.shape != (m, n):
+            raise ValueError(
+                f"weight must have the shape of weight_grad ({m}, {n}), got {tuple(weight_t.shape)}"
+            )
+        if bias_t.shape != (m,):
+            raise ValueError(f"bias must have shape ({m},), got {tuple(bias_t.shape)}")
+        if m < 2 or n < 1:
+            raise ValueError(f"the layer is too small to attack: m={m}, n={n}")
+        if not torch.any(weight_grad_t != 0):
+            raise ValueError("weight_grad is all zeros: the client sent no information about its batch")
+        if not torch.any(bias_grad_t != 0):
+            raise ValueError(
+                "bias_grad is all zeros: the scale of the recovered inputs cannot be fixed (SPEAR Thm. 3.5)"
+            )
+        return cls(weight_grad_t, bias_grad_t, weight_t, bias_t)

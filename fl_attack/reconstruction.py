@@ -1,0 +1,64 @@
+"""The result of one gradient-inversion attack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """Inputs recovered from one first-layer update, with what the attacker knows of their quality.
+
+    Everything here is computed from the observed update alone: the attacker never sees
+    the ground truth. Scoring against the ground truth is the job of :mod:`fl_attack.metrics`.
+
+    Attributes
+    ----------
+    inputs
+        ``(batch_size, n)`` float64 CPU tensor, one recovered layer input per row, rows in an
+        arbitrary order. When the attack is incomplete, rows that come from the orthonormal
+        completion are placeholders and have ``confidence`` 0.
+    batch_size
+        The batch size used by the attack (estimated from the spectrum unless given).
+    sparsity_matching
+        The sparsity-matching coefficient lambda in [0, 1] of the whole reconstruction
+        (SPEAR Def. 4.1); 1.0 means the ReLU pattern implied by ``inputs`` agrees everywhere
+        with the zero pattern of the observed gradient.
+    complete
+        True when ``batch_size`` independent sparse directions were found and selected.
+    confidence
+        ``(batch_size,)`` float64 tensor: per-sample sparsity-matching coefficient, 0 for
+        placeholder rows. Near 1 means the sample is consistent with the observed update.
+    seconds
+        Wall-clock time of the attack.
+    stats
+        Diagnostics: initializations used, candidates, restarts, noise estimate, ...
+    """
+
+    inputs: torch.Tensor
+    batch_size: int
+    sparsity_matching: float
+    complete: bool
+    confidence: torch.Tensor
+    seconds: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def found(self) -> int:
+        """Number of rows backed by a recovered sparse direction (not placeholders)."""
+        return int(self.stats.get("directions_found", self.batch_size if self.complete else 0))
+
+    def summary(self) -> dict[str, Any]:
+        """A flat, JSON-serialisable summary (no tensors)."""
+        return {
+            "batch_size": self.batch_size,
+            "sparsity_matching": float(self.sparsity_matching),
+            "complete": bool(self.complete),
+            "directions_found": self.found,
+            "min_confidence": float(self.confidence.min()) if self.confidence.numel() else 0.0,
+            "seconds": float(self.seconds),
+            **{k: v for k, v in self.stats.items() if isinstance(v, (int, float, str, bool))},
+        }

@@ -1,0 +1,197 @@
+"""Choosing b directions from a candidate pool and turning them into inputs.
+
+Shared by SPEAR and SPEAR++: the sparsest independent set first (Spielman et al.), then
+greedy swaps that raise the sparsity-matching coefficient (SPEAR Sec. 4.2), scale from the
+bias gradient (SPEAR Thm. 3.5), and an orthonormal completion when fewer than b
+independent directions exist (SPEAR++ Sec. 4.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fl_attack.lowrank import LowRankFactors
+from fl_attack.observation import ObservedUpdate
+from fl_attack.sparsity import ZeroTolerance
+
+#: Residual norm below which a unit direction counts as dependent on those already chosen.
+RANK_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Selection:
+    """b chosen directions, their scale, the inputs they imply and how well they match.
+
+    Attributes
+    ----------
+    directions
+        ``(b, b)``: row ``i`` is the unit direction ``q_i`` (placeholders included).
+    found
+        ``(b,)`` bool: False for placeholder rows from the orthonormal completion.
+    inputs
+        ``(b, n)`` recovered layer inputs, ``X^T = Q^{-1} R``.
+    per_sample
+        ``(b,)`` sparsity-matching coefficient of each column.
+    sparsity_matching
+        Mean of ``per_sample`` (lambda of SPEAR Def. 4.1).
+    """
+
+    directions: torch.Tensor
+    found: torch.Tensor
+    inputs: torch.Tensor
+    per_sample: torch.Tensor
+    sparsity_matching: float
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.found.all())
+
+
+class SparsityMatchingScorer:
+    """Evaluates sets of directions by the sparsity-matching coefficient, batched.
+
+    ``Z = W X + b 1^T`` is computed as ``(W R^T) Q^{-T} + b 1^T`` so a set of b directions
+    costs ``O(m b^2 + b^3)`` instead of ``O(m n b)``.
+    """
+
+    def __init__(self, update: ObservedUpdate, factors: LowRankFactors, tolerance: ZeroTolerance) -> None:
+        self.update = update
+        self.factors = factors
+        self.tolerance = tolerance
+        self.pre_activation_basis = update.weight @ factors.right.T  # (m, b)
+
+    def scales(self, directions: torch.Tensor) -> torch.Tensor:
+        """Per-direction scales ``s`` with ``left Q diag(s) 1 = dL/db`` for ``(..., b, b)`` row sets."""
+        columns = self.factors.left @ directions.transpose(-1, -2)  # (..., m, b)
+        target = self.update.bias_grad.expand(*columns.shape[:-2], -1).unsqueeze(-1)
+        return torch.linalg.lstsq(columns, target).solution.squeeze(-1)
+
+    def score(self, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample matching ``(..., b)`` and the inverse scaled ``Q`` for ``(..., b, b)`` row sets.
+
+        Singular sets score ``-1`` everywhere.
+        """
+        unit = directions / directions.norm(dim=-1, keepdim=True)
+        scales = self.scales(unit)
+        q = unit.transpose(-1, -2) * scales.unsqueeze(-2)  # columns q_i * s_i
+        q_inv, info = torch.linalg.inv_ex(q)
+        columns = self.factors.left @ unit.transpose(-1, -2)  # unit gradient columns (..., m, b)
+        is_zero = columns.abs() <= self.tolerance.absolute
+        pre_activation = self.pre_activation_basis @ q_inv.transpose(-1, -2) + self.update.bias[:, None]
+        agree = (pre_activation <= 0) == is_zero
+        per_sample = agree.to(directions.dtype).mean(dim=-2)
+        bad = (info != 0) | ~torch.isfinite(scales).all(dim=-1) | (scales == 0).any(dim=-1)
+        per_sample = torch.where(bad.unsqueeze(-1), torch.full_like(per_sample, -1.0), per_sample)
+        return per_sample, q_inv
+
+    def inputs(self, directions: torch.Tensor) -> torch.Tensor:
+        """``X^T = Q^{-1} R`` for one set of b directions."""
+        _, q_inv = self.score(directions)
+        return q_inv @ self.factors.right
+
+
+def orthonormal_completion(directions: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows spanning the orthogonal complement of ``directions`` in R^size."""
+    if directions.shape[0] == 0:
+        return torch.eye(size, dtype=torch.float64, device=directions.device)
+    q, _ = torch.linalg.qr(directions.T, mode="complete")
+    return q[:, directions.shape[0]:].T
+
+
+def sparsest_independent(candidates: torch.Tensor, zero_counts: torch.Tensor, size: int) -> list[int]:
+    """Greedily take the sparsest candidates that keep the chosen set linearly independent."""
+    order = torch.argsort(zero_counts, descending=True, stable=True).tolist()
+    chosen: list[int] = []
+    basis = torch.empty(0, candidates.shape[1], dtype=candidates.dtype, device=candidates.device)
+    for index in order:
+        vector = candidates[index] / candidates[index].norm()
+        residual = vector - basis.T @ (basis @ vector) if basis.shape[0] else vector
+        norm = residual.norm()
+        if norm > RANK_TOLERANCE:
+            chosen.append(index)
+            basis = torch.cat([basis, (residual / norm)[None]], dim=0)
+            if len(chosen) == size:
+                break
+    return chosen
+
+
+def select(
+    scorer: SparsityMatchingScorer,
+    candidates: torch.Tensor,
+    zero_counts: torch.Tensor,
+    *,
+    max_swap_rounds: int = 50,
+) -> Selection:
+    """Two-stage greedy selection of b directions from ``candidates`` (rows).
+
+    Parameters
+    ----------
+    scorer
+        Scores sets of directions by sparsity matching.
+    candidates
+        ``(c, b)`` deduplicated candidate directions.
+    zero_counts
+        ``(c,)`` number of exact zeros of each candidate's gradient column.
+    max_swap_rounds
+        Upper bound on improving swaps (each round tries every swap of the worst columns).
+    """
+    b = scorer.factors.batch_size
+    chosen = sparsest_independent(candidates, zero_counts, b) if candidates.shape[0] else []
+    found = len(chosen)
+    if found < b:
+        picked = candidates[chosen] if chosen else candidates.new_zeros(0, b)
+        unit = picked / picked.norm(dim=1, keepdim=True) if found else picked
+        directions = torch.cat([unit, orthonormal_completion(unit, b).to(candidates.dtype)], dim=0)
+        found_mask = torch.arange(b, device=candidates.device) < found
+        per_sample, q_inv = scorer.score(directions)
+        per_sample = torch.where(found_mask, per_sample, torch.zeros_like(per_sample))
+        return Selection(directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean()))
+
+    directions = candidates[chosen].clone()
+    per_sample, _ = scorer.score(directions)
+    unused = [i for i in range(candidates.shape[0]) if i not in set(chosen)]
+    for _ in range(max_swap_rounds):
+        if not unused or bool((per_sample >= 1.0).all()):
+            break
+        improved = _best_swap(scorer, directions, per_sample, candidates, unused)
+        if improved is None:
+            break
+        position, pool_index, new_scores = improved
+        replaced = chosen[position]
+        chosen[position] = unused[pool_index]
+        unused[pool_index] = replaced
+        directions[position] = candidates[chosen[position]]
+        per_sample = new_scores
+    _, q_inv = scorer.score(directions)
+    found_mask = torch.ones(b, dtype=torch.bool, device=candidates.device)
+    return Selection(directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean()))
+
+
+def _best_swap(
+    scorer: SparsityMatchingScorer,
+    directions: torch.Tensor,
+    per_sample: torch.Tensor,
+    candidates: torch.Tensor,
+    unused: list[int],
+) -> tuple[int, int, torch.Tensor] | None:
+    """The swap (chosen position, unused candidate) that raises total matching the most."""
+    current = float(per_sample.sum())
+    pool = candidates[unused]
+    best: tuple[float, int, int, torch.Tensor] | None = None
+    # try the worst-matching positions first; each is one batched evaluation over the pool
+    for position in torch.argsort(per_sample).tolist():
+        if per_sample[position] >= 1.0:
+            break
+        trial = directions.expand(pool.shape[0], -1, -1).clone()
+        trial[:, position] = pool
+        scores, _ = scorer.score(trial)
+        totals = scores.sum(dim=1)
+        index = int(torch.argmax(totals))
+        gain = float(totals[index]) - current
+        if gain > 1e-12 and (best is None or gain > best[0]):
+            best = (gain, position, index, scores[index])
+    if best is None:
+        return None
+    return best[1], best[2], best[3]

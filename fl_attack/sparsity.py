@@ -1,0 +1,124 @@
+"""Zero detection, exact kernel polishing and sparsity thresholds for candidate directions.
+
+A candidate direction ``q`` (unit vector in R^b) proposes the gradient column ``left @ q``
+of one sample, whose entries vanish exactly where that sample's ReLU is inactive. Because
+``left`` has orthonormal columns, ``left @ q`` is a unit vector too, so one absolute zero
+tolerance serves every candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fl_attack.lowrank import LowRankFactors
+
+
+@dataclass(frozen=True)
+class ZeroTolerance:
+    """When an entry of a unit gradient column counts as an exact zero.
+
+    ``absolute`` applies to the entries of ``left @ q`` with ``||q|| = 1``; it is derived from
+    the relative noise ``s_{b+1}/s_b`` of the spectrum (or a user-given noise level).
+    """
+
+    absolute: float
+    relative_noise: float
+
+    @classmethod
+    def from_noise(cls, relative_noise: float, *, width: int, factor: float = 30.0) -> "ZeroTolerance":
+        scale = min(max(factor * relative_noise, 1e-10), 0.5)
+        return cls(absolute=scale / math.sqrt(width), relative_noise=relative_noise)
+
+
+def min_sparsity(width: int, *, false_rejection: float) -> float:
+    """Smallest zero fraction ``tau`` a correct direction is required to have (SPEAR Sec. 4.1).
+
+    Chosen so that a column with Bernoulli(1/2) zeros falls below ``tau * m`` zeros with
+    probability at most ``false_rejection``: ``2^-m sum_{i <= tau m} C(m, i) <= p``.
+    """
+    log_half_m = -width * math.log(2.0)
+    cumulative = 0.0
+    for i in range(width + 1):
+        cumulative += math.exp(math.lgamma(width + 1) - math.lgamma(i + 1) - math.lgamma(width - i + 1) + log_half_m)
+        if cumulative > false_rejection:
+            return i / width
+    return 1.0
+
+
+def normalize_columns(directions: torch.Tensor) -> torch.Tensor:
+    """Scale each row of ``(k, b)`` directions to unit norm with a canonical sign.
+
+    The sign is chosen so that the entry of largest magnitude is positive, which makes
+    ``q`` and ``-q`` compare equal after normalisation.
+    """
+    directions = directions / directions.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    pivot = directions.gather(1, directions.abs().argmax(dim=1, keepdim=True))
+    return directions * torch.where(pivot < 0, -1.0, 1.0).to(directions.dtype)
+
+
+def deduplicate(directions: torch.Tensor, *, cos_tolerance: float = 1e-6) -> torch.Tensor:
+    """Keep one representative of each group of directions equal up to sign and scale.
+
+    Returns the indices (into ``directions``) of the kept rows, in their original order.
+    """
+    if directions.shape[0] <= 1:
+        return torch.arange(directions.shape[0], device=directions.device)
+    unit = normalize_columns(directions)
+    similar = (unit @ unit.T).abs() > 1.0 - cos_tolerance
+    # a row is kept when no earlier row is similar to it
+    earlier = torch.triu(similar, diagonal=1)
+    duplicate = earlier.any(dim=0)
+    return torch.nonzero(~duplicate).flatten()
+
+
+def zero_masks(factors: LowRankFactors, directions: torch.Tensor, tolerance: ZeroTolerance) -> torch.Tensor:
+    """``(k, m)`` boolean mask of the exact zeros of each candidate's gradient column."""
+    unit = directions / directions.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    return (unit @ factors.left.T).abs() <= tolerance.absolute
+
+
+def kernel_of_smallest(factors: LowRankFactors, directions: torch.Tensor, *, rows: int) -> torch.Tensor:
+    """Round approximate directions to exact ones: the kernel of their ``rows`` smallest rows.
+
+    For each candidate the ``rows`` entries of ``left @ q`` closest to zero select a submatrix
+    ``L_A`` of ``left``; the returned unit vector spans ``ker(L_A)`` (SPEAR Thm. 3.3). With
+    ``rows = b - 1`` this is exact whenever all chosen rows are true zeros of one sample.
+    """
+    left = factors.left
+    b = left.shape[1]
+    values = (directions @ left.T).abs()
+    chosen = torch.topk(values, k=rows, dim=1, largest=False).indices
+    submatrices = left[chosen]  # (k, rows, b)
+    if rows >= b:
+        _, _, vh = torch.linalg.svd(submatrices, full_matrices=True)
+        return vh[:, -1, :]
+    q, _ = torch.linalg.qr(submatrices.transpose(1, 2), mode="complete")  # (k, b, b)
+    return q[:, :, -1]
+
+
+def refine_on_zeros(
+    factors: LowRankFactors, directions: torch.Tensor, tolerance: ZeroTolerance, *, iterations: int = 2
+) -> torch.Tensor:
+    """Least-squares kernel over all detected zero rows of each candidate.
+
+    Using every detected zero (about ``m/2`` rows) instead of ``b - 1`` averages out the noise
+    of a float32 or DP-noised gradient; on a clean gradient it only sharpens the digits.
+    """
+    left = factors.left
+    b = left.shape[1]
+    for _ in range(iterations):
+        mask = zero_masks(factors, directions, tolerance).to(left.dtype)  # (k, m)
+        enough = mask.sum(dim=1) >= b - 1
+        if not bool(enough.any()):
+            break
+        gram = torch.einsum("km,mi,mj->kij", mask[enough], left, left)
+        _, eigenvectors = torch.linalg.eigh(gram)
+        refined = eigenvectors[:, :, 0]
+        # keep the orientation of the input so repeated refinement is stable
+        sign = torch.sign((refined * directions[enough]).sum(dim=1, keepdim=True))
+        directions = directions.clone()
+        directions[enough] = refined * torch.where(sign == 0, 1.0, sign)
+    return directions

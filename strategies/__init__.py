@@ -1,0 +1,23 @@
+"""Server side of fl-attack: an honest-but-curious strategy wrapper and the ServerApp."""
+
+from .attack_runner import AttackResult, Attacker, run_attack
+from .audit import HonestButCuriousStrategy
+from .config import CLIENT_KEYS, DEFAULT_RUN_CONFIG, resolve_run_config
+from .ground_truth import ReconstructionScorer
+from .layer import LayerKeys, LayerNotFoundError, LayerUpdate, layer_update, select_layer
+
+__all__ = [
+    "AttackResult",
+    "Attacker",
+    "CLIENT_KEYS",
+    "DEFAULT_RUN_CONFIG",
+    "HonestButCuriousStrategy",
+    "LayerKeys",
+    "LayerNotFoundError",
+    "LayerUpdate",
+    "ReconstructionScorer",
+    "layer_update",
+    "resolve_run_config",
+    "run_attack",
+    "select_layer",
+]

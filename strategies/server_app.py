@@ -1,0 +1,193 @@
+"""Flower ServerApp: federated training audited by an embedded SPEAR++ attacker.
+
+The ServerApp builds the victim model, the reconstruction store, the attacker and the
+:class:`~strategies.audit.HonestButCuriousStrategy` around FedAvg from the run config
+(see :mod:`strategies.config` for the keys and defaults), then runs the rounds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, Context, UserConfigValue
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.supercore import log
+
+from fl_attack.store import ReconstructionStore
+
+from .audit import HonestButCuriousStrategy
+from .config import client_config, parse_partitions, resolve_run_config
+from .ground_truth import ReconstructionScorer
+
+#: Extra seconds granted on top of twice the time budget before an attack is given up.
+TIMEOUT_GRACE = 30.0
+
+
+def attack_timeout(config: Mapping[str, UserConfigValue]) -> float:
+    """Hard per-attack limit: ``attack-timeout``, or ``2 * attack-time-budget + 30`` s."""
+    explicit = float(config["attack-timeout"])  # type: ignore[arg-type]
+    if explicit > 0:
+        return explicit
+    return 2.0 * float(config["attack-time-budget"]) + TIMEOUT_GRACE  # type: ignore[arg-type]
+
+
+def build_store(config: Mapping[str, UserConfigValue]) -> ReconstructionStore:
+    """Open the run directory (``output-dir`` or ``outputs/<timestamp>``) with the config."""
+    output_dir = str(config["output-dir"]) or None
+    return ReconstructionStore.create(output_dir, run_config=dict(config))
+
+
+def build_attacker(config: Mapping[str, UserConfigValue]) -> Any:
+    """The embedded SPEAR++ attacker (CUDA when available unless ``attack-device`` says)."""
+    from fl_attack import SpearPlusPlus  # pylint: disable=import-outside-toplevel
+
+    return SpearPlusPlus(
+        device=str(config["attack-device"]),
+        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
+        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
+        progress=False,
+    )
+
+
+def build_strategy(
+    config: Mapping[str, UserConfigValue],
+    *,
+    attacker: Any,
+    store: ReconstructionStore | None,
+    scorer: ReconstructionScorer | None,
+) -> HonestButCuriousStrategy | FedAvg:
+    """FedAvg, wrapped by the honest-but-curious auditor when ``attack-enabled``."""
+    min_nodes = int(config["min-nodes"])  # type: ignore[arg-type]
+    fedavg = FedAvg(
+        fraction_train=float(config["fraction-train"]),  # type: ignore[arg-type]
+        fraction_evaluate=float(config["fraction-evaluate"]),  # type: ignore[arg-type]
+        min_train_nodes=min_nodes,
+        min_evaluate_nodes=min_nodes,
+        min_available_nodes=min_nodes,
+    )
+    if not config["attack-enabled"]:
+        return fedavg
+    batch_size = int(config["attack-batch-size"])  # type: ignore[arg-type]
+    return HonestButCuriousStrategy(
+        fedavg,
+        attacker,
+        store=store,
+        scorer=scorer,
+        weight_key=str(config["attack-weight-key"]) or None,
+        bias_key=str(config["attack-bias-key"]) or None,
+        attack_fraction=float(config["attack-fraction"]),  # type: ignore[arg-type]
+        attack_partitions=parse_partitions(str(config["attack-partitions"])),
+        batch_size=batch_size or None,
+        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
+        timeout=attack_timeout(config),
+        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
+    )
+
+
+def run_audit(
+    grid: Grid, config: Mapping[str, UserConfigValue]
+) -> tuple[Result, HonestButCuriousStrategy | FedAvg]:
+    """Build everything from a resolved run config and run the federated rounds.
+
+    Parameters
+    ----------
+    grid : Grid
+        The Grid given to the ServerApp.
+    config : Mapping[str, UserConfigValue]
+        Output of :func:`strategies.config.resolve_run_config`.
+
+    Returns
+    -------
+    tuple[Result, HonestButCuriousStrategy | FedAvg]
+        Flower's training result and the strategy (its ``records`` and ``store`` hold
+        the attacks).
+    """
+    from fl_attack.datasets import load_dataset  # pylint: disable=import-outside-toplevel
+    from fl_attack.victims import build_victim  # pylint: disable=import-outside-toplevel
+
+    # The server knows the task's input shape; in simulation it also holds the data,
+    # which is used only to score and render reconstructions, never by the attacker.
+    limit = int(config["dataset-limit"])  # type: ignore[arg-type]
+    data = load_dataset(
+        str(config["dataset"]),
+        root=str(config["data-root"]) or None,
+        split="train",
+        limit=limit or None,
+    )
+    depth = int(config["depth"])  # type: ignore[arg-type]
+    model = build_victim(
+        str(config["architecture"]),
+        input_dim=int(data.input_dim),
+        width=int(config["width"]),  # type: ignore[arg-type]
+        num_classes=int(data.num_classes),
+        depth=depth or None,
+        seed=int(config["model-seed"]),  # type: ignore[arg-type]
+    )
+
+    store = build_store(config) if config["attack-enabled"] else None
+    attacker = build_attacker(config) if config["attack-enabled"] else None
+    scorer = ReconstructionScorer.from_image_data(data)
+    strategy = build_strategy(config, attacker=attacker, store=store, scorer=scorer)
+    if store is not None:
+        log(INFO, "Reconstructions are stored in %s", store.directory)
+
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=int(config["num-server-rounds"]),  # type: ignore[arg-type]
+        train_config=client_config(config),
+        evaluate_config=client_config(config),
+    )
+    if isinstance(strategy, HonestButCuriousStrategy):
+        _log_audit(strategy)
+    return result, strategy
+
+
+def _log_audit(strategy: HonestButCuriousStrategy) -> None:
+    log(INFO, "Audit: %d attacks", len(strategy.records))
+    for record in strategy.records:
+        quality = record.quality
+        if record.status != "ok":
+            outcome = f"{record.status}: {record.error}"
+        elif "mean_psnr" in quality:
+            outcome = (
+                f"mean PSNR {quality['mean_psnr']:.1f} dB, "
+                f"{100.0 * quality.get('exact_fraction', 0.0):.0f}% exact"
+            )
+        else:
+            outcome = f"{0 if record.inputs is None else len(record.inputs)} inputs (not scored)"
+        log(INFO, "\tround %d %s: %s (%.1fs)", record.server_round, record.client, outcome, record.seconds)
+    if strategy.store is not None:
+        log(INFO, "Audit table: %s", strategy.store.table_path)
+
+
+def create_server_app(overrides: Mapping[str, UserConfigValue] | None = None) -> ServerApp:
+    """A ServerApp reading ``context.run_config``, with ``overrides`` on top.
+
+    Parameters
+    ----------
+    overrides : Mapping[str, UserConfigValue] or None (default: None)
+        Run-config values taking precedence (useful with
+        ``flwr.simulation.run_simulation``, which passes an empty run config).
+
+    Returns
+    -------
+    ServerApp
+    """
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        config = resolve_run_config(context.run_config, overrides)
+        log(INFO, "fl-attack ServerApp (working directory %s)", Path(os.getcwd()))
+        run_audit(grid, config)
+
+    return server_app
+
+
+app = create_server_app()
