@@ -19,7 +19,7 @@ from fl_attack.lowrank import LowRankFactors, decompose
 from fl_attack.observation import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.selection import Selection, SparsityMatchingScorer, select
-from fl_attack.sparsity import ZeroTolerance, kernel_of_smallest, min_sparsity
+from fl_attack.sparsity import ZeroTolerance, kernel_of_smallest, least_squares_kernel, min_sparsity
 from fl_attack.sphere_search import (
     OPTIMIZERS,
     SphereSchedule,
@@ -30,6 +30,11 @@ from fl_attack.sphere_search import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Above this relative noise ``s_{b+1}/s_b`` the gradient is treated as noisy (DP noise,
+#: FedAvg drift): exact zeros no longer exist, directions are estimated by least squares,
+#: and the search stops when the sparsity matching stops improving.
+NOISY_ABOVE = 1e-3
 
 
 @dataclass
@@ -42,6 +47,7 @@ class _SearchState:
     deadline: float
     stats: dict[str, Any]
     active: torch.Tensor
+    noisy: bool
 
 
 class GradientInversionAttack(ABC):
@@ -71,6 +77,8 @@ class GradientInversionAttack(ABC):
     split_rounds
         Rounds of mixture splitting (:mod:`fl_attack.mixtures`) after each selection that is
         not yet accepted; 0 disables it, as in the papers.
+    patience
+        On noisy gradients, stop after this many rounds without a better sparsity matching.
     progress
         Show a progress bar; ``None`` shows one only when stderr is a terminal.
     """
@@ -88,6 +96,7 @@ class GradientInversionAttack(ABC):
         noise_level: float | None = None,
         zero_tolerance_factor: float = 30.0,
         split_rounds: int = 4,
+        patience: int = 3,
         progress: bool | None = None,
     ) -> None:
         if time_budget is not None and time_budget <= 0:
@@ -104,6 +113,7 @@ class GradientInversionAttack(ABC):
         self.noise_level = noise_level
         self.zero_tolerance_factor = zero_tolerance_factor
         self.split_rounds = split_rounds
+        self.patience = patience
         self.progress = progress
 
     def invert(
@@ -174,6 +184,8 @@ class GradientInversionAttack(ABC):
         tau = min_sparsity(int(active.sum()), false_rejection=self.false_rejection)
         min_zeros = max(b, math.ceil(self._sparsity_fraction(tau) * int(active.sum())))
         stats["min_zeros"] = min_zeros
+        noisy = relative_noise > NOISY_ABOVE
+        stats["noisy"] = noisy
         cos_tolerance = min(1e-2, max(1e-9, 50.0 * relative_noise**2))
         pool = CandidatePool(search_factors, tolerance, min_zeros=min_zeros, cos_tolerance=cos_tolerance)
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
@@ -184,6 +196,7 @@ class GradientInversionAttack(ABC):
             deadline=start + budget if budget is not None else math.inf,
             stats=stats,
             active=active,
+            noisy=noisy,
         )
         selection = self._run(state, scorer)
         stats.update(
@@ -214,6 +227,7 @@ class GradientInversionAttack(ABC):
         b = state.factors.batch_size
         best: Selection | None = None
         rounds = 0
+        stale = 0
         show = self.progress
         bar = tqdm(total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None,
                    leave=False)
@@ -229,12 +243,19 @@ class GradientInversionAttack(ABC):
                     continue
                 if len(state.pool) >= 1:
                     candidate = self._select_and_split(state, scorer)
-                    if best is None or _better(candidate, best):
+                    if best is None or self._accepted(candidate) or _better(candidate, best):
+                        improved = best is None or candidate.sparsity_matching > best.sparsity_matching + 1e-3
                         best = candidate
+                        stale = 0 if improved else stale + 1
+                    else:
+                        stale += 1
+                    if state.noisy and best.complete and stale >= self.patience:
+                        state.stats["stopped_by"] = "no_improvement"
+                        break
                     bar.n = int(best.found.sum())
                     bar.set_postfix(candidates=len(state.pool), matching=f"{best.sparsity_matching:.4f}")
                     bar.refresh()
-                    if best.complete and float(best.per_sample.min()) >= self.accept_matching:
+                    if self._accepted(best):
                         break
                 if time.perf_counter() > state.deadline:
                     state.stats["stopped_by"] = "time_budget"
@@ -243,15 +264,20 @@ class GradientInversionAttack(ABC):
             bar.close()
         state.stats["rounds"] = rounds
         if best is None:
-            best = select(scorer, state.pool.directions, state.pool.zero_counts)
+            best = self._select(state, scorer)
         return best
+
+    def _accepted(self, selection: Selection) -> bool:
+        return selection.complete and float(selection.per_sample.min()) >= self.accept_matching
 
     def _select_and_split(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
         """Select; while not accepted, split remembered mixtures into new directions and retry."""
         pool = state.pool
-        selection = select(scorer, pool.directions, pool.zero_counts)
+        selection = self._select(state, scorer)
+        if state.noisy:
+            return selection
         for _ in range(self.split_rounds):
-            if selection.complete and float(selection.per_sample.min()) >= self.accept_matching:
+            if self._accepted(selection):
                 break
             unselected = _rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]
@@ -262,8 +288,17 @@ class GradientInversionAttack(ABC):
             added += pool.add(self._last_direction_proposals(state, scorer, selection))
             if added == 0:
                 break
-            selection = select(scorer, pool.directions, pool.zero_counts)
+            selection = self._select(state, scorer)
         return selection
+
+    def _select(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+        """Select from the sparsest ``3 b`` candidates, swapping only until the deadline."""
+        pool = state.pool
+        limit = 3 * state.factors.batch_size
+        if len(pool) > limit:
+            top = torch.topk(pool.zero_counts, k=limit).indices
+            return select(scorer, pool.directions[top], pool.zero_counts[top], deadline=state.deadline)
+        return select(scorer, pool.directions, pool.zero_counts, deadline=state.deadline)
 
     def _last_direction_proposals(self, state: _SearchState, scorer: SparsityMatchingScorer,
                                   selection: Selection) -> torch.Tensor:
@@ -332,9 +367,17 @@ class SpearPlusPlus(GradientInversionAttack):
     max_initializations
         Total initialization budget over all rounds; ``None`` means only the time budget applies.
     schedule
-        Steps and learning rates of the optimization.
+        Steps and learning-rate decay of the optimization; when given, its ``lr`` is used in
+        every round instead of ``learning_rates``.
+    learning_rates
+        Initial learning rates cycled over rounds. Large steps (Riemannian Adam at 0.5-2 on
+        the unit sphere) escape the shallow spurious minima that trap small ones at
+        ``m / b ~ 10``; small ones reach the narrow basins of a crowded ``m / b ~ 7``.
     complement_fraction
         Fraction of the initializations of later rounds drawn orthogonally to found directions.
+    polish_fraction
+        Fraction of neurons whose rows define the least-squares kernel that precedes exact
+        rounding of ``l1`` minima.
     rounding_samples, rounding_pool
         For smooth surrogates: proposals per minimum and the fraction of smallest entries
         they are sampled from.
@@ -352,7 +395,9 @@ class SpearPlusPlus(GradientInversionAttack):
         initializations: int | None = None,
         max_initializations: int | None = None,
         schedule: SphereSchedule | None = None,
+        learning_rates: tuple[float, ...] = (0.5, 2.0, 0.15),
         complement_fraction: float = 0.5,
+        polish_fraction: float = 0.3,
         rounding_samples: int = 4,
         rounding_pool: float = 0.4,
         dtype: torch.dtype = torch.float32,
@@ -369,7 +414,11 @@ class SpearPlusPlus(GradientInversionAttack):
         self.optimizer = optimizer
         self.initializations = initializations
         self.max_initializations = max_initializations
-        self.schedule = schedule or SphereSchedule()
+        self.schedule = schedule
+        if not learning_rates or min(learning_rates) <= 0:
+            raise ValueError(f"learning_rates must be positive, got {learning_rates}")
+        self.learning_rates = tuple(learning_rates)
+        self.polish_fraction = polish_fraction
         self.complement_fraction = complement_fraction
         self.rounding_samples = rounding_samples
         self.rounding_pool = rounding_pool
@@ -378,7 +427,8 @@ class SpearPlusPlus(GradientInversionAttack):
     def _initializations_per_round(self, b: int, m: int) -> int:
         if self.initializations is not None:
             return self.initializations
-        return int(min(8192, max(256, 64 * b)))
+        # one optimization step costs ~ k m b flops: keep a round to a few seconds on a CPU
+        return int(max(256, min(32 * b, 4096, 1.5e9 // (m * b))))
 
     def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
         left = state.factors.left
@@ -386,6 +436,7 @@ class SpearPlusPlus(GradientInversionAttack):
         per_round = self._initializations_per_round(b, m)
         left_fast = left.to(self.dtype)
         used = 0
+        rounds = 0
         while self.max_initializations is None or used < self.max_initializations:
             count = per_round if self.max_initializations is None else min(per_round, self.max_initializations - used)
             found = state.pool.directions
@@ -395,9 +446,11 @@ class SpearPlusPlus(GradientInversionAttack):
             if n_complement:
                 inits.append(random_directions(n_complement, b, generator=state.generator, avoid=found,
                                                dtype=self.dtype, device=left.device))
+            schedule = self.schedule or SphereSchedule(lr=self.learning_rates[rounds % len(self.learning_rates)])
+            rounds += 1
             minima = optimize_on_sphere(
                 left_fast, torch.cat(inits), surrogate=self.surrogate, optimizer=self.optimizer,
-                schedule=self.schedule,
+                schedule=schedule,
             ).to(torch.float64)
             used += count
             state.stats["initializations"] = used
@@ -405,7 +458,10 @@ class SpearPlusPlus(GradientInversionAttack):
                 yield sampling_rounding(left, minima, pool_fraction=self.rounding_pool,
                                         samples=self.rounding_samples, generator=state.generator)
             else:
-                yield kernel_of_smallest(state.factors, minima, rows=b - 1)
+                rows = min(m, max(b - 1, int(self.polish_fraction * m)))
+                estimate = least_squares_kernel(state.factors, minima, rows=rows)
+                # without exact zeros, rounding to b - 1 rows would only amplify the noise
+                yield estimate if state.noisy else kernel_of_smallest(state.factors, estimate, rows=b - 1)
             if time.perf_counter() > state.deadline:
                 return
 

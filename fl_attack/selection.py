@@ -8,6 +8,8 @@ independent directions exist (SPEAR++ Sec. 4.5).
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +125,7 @@ def select(
     zero_counts: torch.Tensor,
     *,
     max_swap_rounds: int = 50,
+    deadline: float = math.inf,
 ) -> Selection:
     """Two-stage greedy selection of b directions from ``candidates`` (rows).
 
@@ -136,6 +139,8 @@ def select(
         ``(c,)`` number of exact zeros of each candidate's gradient column.
     max_swap_rounds
         Upper bound on improving swaps (each round tries every swap of the worst columns).
+    deadline
+        ``time.perf_counter()`` value after which no further swap is tried.
     """
     b = scorer.factors.batch_size
     chosen = sparsest_independent(candidates, zero_counts, b) if candidates.shape[0] else []
@@ -153,9 +158,9 @@ def select(
     per_sample, _ = scorer.score(directions)
     unused = [i for i in range(candidates.shape[0]) if i not in set(chosen)]
     for _ in range(max_swap_rounds):
-        if not unused or bool((per_sample >= 1.0).all()):
+        if not unused or bool((per_sample >= 1.0).all()) or time.perf_counter() > deadline:
             break
-        improved = _best_swap(scorer, directions, per_sample, candidates, unused)
+        improved = _best_swap(scorer, directions, per_sample, candidates, unused, deadline)
         if improved is None:
             break
         position, pool_index, new_scores = improved
@@ -175,6 +180,7 @@ def _best_swap(
     per_sample: torch.Tensor,
     candidates: torch.Tensor,
     unused: list[int],
+    deadline: float,
 ) -> tuple[int, int, torch.Tensor] | None:
     """The swap (chosen position, unused candidate) that raises total matching the most."""
     current = float(per_sample.sum())
@@ -182,7 +188,7 @@ def _best_swap(
     best: tuple[float, int, int, torch.Tensor] | None = None
     # try the worst-matching positions first; each is one batched evaluation over the pool
     for position in torch.argsort(per_sample).tolist():
-        if per_sample[position] >= 1.0:
+        if per_sample[position] >= 1.0 or time.perf_counter() > deadline:
             break
         trial = directions.expand(pool.shape[0], -1, -1).clone()
         trial[:, position] = pool

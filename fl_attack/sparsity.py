@@ -80,6 +80,22 @@ def zero_masks(factors: LowRankFactors, directions: torch.Tensor, tolerance: Zer
     return (unit @ factors.left.T).abs() <= tolerance.absolute
 
 
+def least_squares_kernel(factors: LowRankFactors, directions: torch.Tensor, *, rows: int) -> torch.Tensor:
+    """For each direction, the unit vector minimising the norm of its ``rows`` smallest entries.
+
+    A loose minimum of the sphere search is only approximately sparse; the least-squares
+    kernel of a generous set of its smallest rows (most of them true zeros) lands much closer
+    to the exact direction than the minimum itself, so the exact rounding that follows picks
+    true zeros only.
+    """
+    left = factors.left
+    values = (directions @ left.T).abs()
+    chosen = torch.topk(values, k=rows, dim=1, largest=False).indices
+    submatrices = left[chosen]
+    _, eigenvectors = torch.linalg.eigh(submatrices.transpose(1, 2) @ submatrices)
+    return eigenvectors[:, :, 0]
+
+
 def kernel_of_smallest(factors: LowRankFactors, directions: torch.Tensor, *, rows: int) -> torch.Tensor:
     """Round approximate directions to exact ones: the kernel of their ``rows`` smallest rows.
 

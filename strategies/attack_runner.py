@@ -1,11 +1,27 @@
-"""Run an attacker on one observed update without ever letting it break the FL run."""
+"""Run an attacker on one observed update without ever letting it break the FL run.
+
+Two runners share one interface:
+
+* :class:`ThreadAttackRunner` calls the attacker in a daemon thread of the server
+  process. Cheap, and it sees in-memory attacker objects, but an attack that exceeds
+  the timeout can only be abandoned: it keeps its CPU and memory until it returns.
+* :class:`ProcessAttackRunner` keeps the attacker in a separate worker process
+  (``spawn``ed once and reused). An attack that exceeds the timeout is killed, which
+  frees its CPU and (GPU) memory, and even a worker killed by the operating system's
+  out-of-memory killer only costs that one attack.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
+import pickle
+import signal
 import threading
 import time
 import traceback
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import numpy as np
@@ -16,6 +32,9 @@ STATUS_OK = "ok"
 STATUS_ERROR = "error"
 STATUS_TIMEOUT = "timeout"
 STATUS_OUT_OF_MEMORY = "out-of-memory"
+
+#: Seconds a new worker process may take to import the attack before it is given up.
+WORKER_STARTUP_TIMEOUT = 300.0
 
 
 class Attacker(Protocol):
@@ -63,7 +82,8 @@ class AttackResult:
     traceback: str | None = None
 
 
-def _is_out_of_memory(error: BaseException) -> bool:
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` reports exhausted host or accelerator memory."""
     if isinstance(error, MemoryError):
         return True
     try:
@@ -84,6 +104,55 @@ def _release_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _invert(
+    attacker: Attacker, update: LayerUpdate, batch_size: int | None, time_budget: float | None
+) -> Any:
+    """The only call into the attacker: the observed update and the global layer."""
+    return attacker.invert(
+        update.weight_delta,
+        update.bias_delta,
+        weight=update.weight,
+        bias=update.bias,
+        batch_size=batch_size,
+        time_budget=time_budget,
+    )
+
+
+def _failure(error: BaseException, seconds: float, trace: str | None) -> AttackResult:
+    if is_out_of_memory(error):
+        _release_accelerator_memory()
+        status = STATUS_OUT_OF_MEMORY
+    else:
+        status = STATUS_ERROR
+    return AttackResult(
+        status=status,
+        reconstruction=None,
+        seconds=seconds,
+        error=f"{type(error).__name__}: {error}",
+        traceback=trace,
+    )
+
+
+def _success(reconstruction: Any, seconds: float) -> AttackResult:
+    if getattr(reconstruction, "inputs", None) is None:
+        return AttackResult(
+            status=STATUS_ERROR,
+            reconstruction=None,
+            seconds=seconds,
+            error=f"attacker returned {type(reconstruction).__name__} without inputs",
+        )
+    return AttackResult(status=STATUS_OK, reconstruction=reconstruction, seconds=seconds)
+
+
+def _timed_out(timeout: float | None, seconds: float, how: str) -> AttackResult:
+    return AttackResult(
+        status=STATUS_TIMEOUT,
+        reconstruction=None,
+        seconds=seconds,
+        error=f"attack did not finish within the {timeout:g} s timeout ({how})",
+    )
+
+
 def run_attack(
     attacker: Attacker,
     update: LayerUpdate,
@@ -92,12 +161,7 @@ def run_attack(
     time_budget: float | None = None,
     timeout: float | None = None,
 ) -> AttackResult:
-    """Invert one update, turning every failure into an :class:`AttackResult`.
-
-    The attacker receives only the observed update and the global layer parameters.
-    It runs in a daemon thread; ``time_budget`` is passed on so that it stops itself,
-    and ``timeout`` is a hard wall-clock limit after which the attack is given up
-    (the thread is abandoned and its eventual result discarded).
+    """Invert one update in a daemon thread, turning every failure into an AttackResult.
 
     Parameters
     ----------
@@ -110,7 +174,8 @@ def run_attack(
     time_budget : float or None (default: None)
         Seconds the attacker is asked to stay within.
     timeout : float or None (default: None)
-        Hard limit in seconds; None waits until the attacker returns.
+        Hard limit in seconds after which the attack is abandoned (its thread keeps
+        running until the attacker returns); None waits for the attacker.
 
     Returns
     -------
@@ -120,14 +185,7 @@ def run_attack(
 
     def target() -> None:
         try:
-            outcome["value"] = attacker.invert(
-                update.weight_delta,
-                update.bias_delta,
-                weight=update.weight,
-                bias=update.bias,
-                batch_size=batch_size,
-                time_budget=time_budget,
-            )
+            outcome["value"] = _invert(attacker, update, batch_size, time_budget)
         except BaseException as error:  # pylint: disable=broad-exception-caught
             outcome["error"] = error
             outcome["traceback"] = traceback.format_exc()
@@ -138,32 +196,190 @@ def run_attack(
     worker.join(timeout)
     seconds = time.perf_counter() - start
     if worker.is_alive():
-        return AttackResult(
-            status=STATUS_TIMEOUT,
-            reconstruction=None,
-            seconds=seconds,
-            error=f"attack did not finish within the {timeout:g} s timeout",
-        )
+        return _timed_out(timeout, seconds, "abandoned")
     if "error" in outcome:
-        error = outcome["error"]
-        if _is_out_of_memory(error):
-            _release_accelerator_memory()
-            status = STATUS_OUT_OF_MEMORY
-        else:
-            status = STATUS_ERROR
-        return AttackResult(
-            status=status,
-            reconstruction=None,
-            seconds=seconds,
-            error=f"{type(error).__name__}: {error}",
-            traceback=outcome.get("traceback"),
+        return _failure(outcome["error"], seconds, outcome.get("traceback"))
+    return _success(outcome.get("value"), seconds)
+
+
+class AttackRunner(ABC):
+    """Runs an attacker on observed updates; every failure becomes an AttackResult."""
+
+    def __init__(self, attacker: Attacker) -> None:
+        self.attacker = attacker
+
+    @abstractmethod
+    def run(
+        self,
+        update: LayerUpdate,
+        *,
+        batch_size: int | None = None,
+        time_budget: float | None = None,
+        timeout: float | None = None,
+    ) -> AttackResult:
+        """Invert one update (see :func:`run_attack` for the parameters)."""
+
+    def close(self) -> None:
+        """Release the runner's resources; it can still be used afterwards."""
+
+
+class ThreadAttackRunner(AttackRunner):
+    """Run the attacker in a daemon thread of this process (see :func:`run_attack`)."""
+
+    def run(
+        self,
+        update: LayerUpdate,
+        *,
+        batch_size: int | None = None,
+        time_budget: float | None = None,
+        timeout: float | None = None,
+    ) -> AttackResult:
+        """Invert one update in a thread; a timed-out attack is abandoned."""
+        return run_attack(
+            self.attacker, update, batch_size=batch_size, time_budget=time_budget, timeout=timeout
         )
-    reconstruction = outcome.get("value")
-    if getattr(reconstruction, "inputs", None) is None:
+
+
+def _worker_main(connection: Connection, attacker: Attacker) -> None:
+    """Worker loop: receive ``(update, batch_size, time_budget)``, send pickled results."""
+    connection.send(("ready", None, None))
+    while True:
+        try:
+            job = connection.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        update, batch_size, time_budget = job
+        try:
+            payload = pickle.dumps(_invert(attacker, update, batch_size, time_budget))
+            connection.send(("ok", payload, None))
+        except BaseException as error:  # pylint: disable=broad-exception-caught
+            kind = "out-of-memory" if is_out_of_memory(error) else "error"
+            _release_accelerator_memory()
+            connection.send((kind, f"{type(error).__name__}: {error}", traceback.format_exc()))
+
+
+class ProcessAttackRunner(AttackRunner):
+    """Run the attacker in a persistent worker process that is killed on timeout.
+
+    The attacker object is pickled into a ``spawn``ed worker when the first attack
+    starts; the worker is reused for later attacks and restarted after a timeout or
+    a crash. Worker start-up time does not count against the timeout.
+
+    Parameters
+    ----------
+    attacker : Attacker
+        A picklable attacker (e.g. ``fl_attack.SpearPlusPlus``).
+    start_method : str (default: "spawn")
+        ``multiprocessing`` start method; ``spawn`` is safe with threads and CUDA.
+    """
+
+    def __init__(self, attacker: Attacker, *, start_method: str = "spawn") -> None:
+        super().__init__(attacker)
+        self._context = multiprocessing.get_context(start_method)
+        self._process: Any = None
+        self._connection: Connection | None = None
+
+    def _start(self) -> str | None:
+        """Start the worker; return why it failed, or None."""
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=_worker_main, args=(child, self.attacker), name="fl-attack-worker", daemon=True
+        )
+        process.start()
+        child.close()
+        self._process, self._connection = process, parent
+        try:
+            if parent.poll(WORKER_STARTUP_TIMEOUT):
+                parent.recv()
+                return None
+        except (EOFError, OSError):
+            pass
+        self._stop(kill=True)
+        return f"the attack worker process did not start (exit code {process.exitcode})"
+
+    def _stop(self, *, kill: bool) -> None:
+        process, connection = self._process, self._connection
+        self._process, self._connection = None, None
+        if connection is not None:
+            if not kill:
+                try:
+                    connection.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+            connection.close()
+        if process is not None:
+            if kill:
+                process.kill()
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+
+    def run(
+        self,
+        update: LayerUpdate,
+        *,
+        batch_size: int | None = None,
+        time_budget: float | None = None,
+        timeout: float | None = None,
+    ) -> AttackResult:
+        """Invert one update in the worker; a timed-out attack is killed."""
+        if self._process is None or not self._process.is_alive():
+            self._stop(kill=True)
+            failure = self._start()
+            if failure is not None:
+                return AttackResult(status=STATUS_ERROR, reconstruction=None, seconds=0.0, error=failure)
+        assert self._connection is not None and self._process is not None
+        start = time.perf_counter()
+        try:
+            self._connection.send((update, batch_size, time_budget))
+            ready = self._connection.poll(timeout)
+            seconds = time.perf_counter() - start
+            if not ready:
+                self._stop(kill=True)
+                return _timed_out(timeout, seconds, "worker killed")
+            kind, payload, trace = self._connection.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            return self._crashed(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        if kind == STATUS_OK:
+            return _success(pickle.loads(payload), seconds)
+        status = STATUS_OUT_OF_MEMORY if kind == STATUS_OUT_OF_MEMORY else STATUS_ERROR
+        return AttackResult(
+            status=status, reconstruction=None, seconds=seconds, error=payload, traceback=trace
+        )
+
+    def _crashed(self, seconds: float) -> AttackResult:
+        process = self._process
+        if process is not None:
+            process.join(5.0)
+        code = None if process is None else process.exitcode
+        self._stop(kill=True)
+        if code == -signal.SIGKILL:
+            return AttackResult(
+                status=STATUS_OUT_OF_MEMORY,
+                reconstruction=None,
+                seconds=seconds,
+                error="the attack worker was killed (SIGKILL), most likely by the out-of-memory killer",
+            )
         return AttackResult(
             status=STATUS_ERROR,
             reconstruction=None,
             seconds=seconds,
-            error=f"attacker returned {type(reconstruction).__name__} without inputs",
+            error=f"the attack worker exited unexpectedly (exit code {code})",
         )
-    return AttackResult(status=STATUS_OK, reconstruction=reconstruction, seconds=seconds)
+
+    def close(self) -> None:
+        """Stop the worker process (a later :meth:`run` starts a new one)."""
+        self._stop(kill=False)
+
+
+def make_runner(attacker: Attacker, isolation: str) -> AttackRunner:
+    """A runner for ``isolation`` ``"thread"`` or ``"process"``."""
+    if isolation == "thread":
+        return ThreadAttackRunner(attacker)
+    if isolation == "process":
+        return ProcessAttackRunner(attacker)
+    raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from .attack_runner import STATUS_ERROR, STATUS_OK, Attacker, AttackResult, run_attack
+from .attack_runner import STATUS_ERROR, STATUS_OK, Attacker, AttackResult, make_runner
 from .ground_truth import (
     ClientIdentity,
     ReconstructionScorer,
@@ -72,6 +72,10 @@ class HonestButCuriousStrategy(Strategy):
         Seconds each attack is asked to stay within.
     timeout : float or None (default: None)
         Hard limit in seconds per attack, after which it is recorded as a timeout.
+    isolation : str (default: "thread")
+        ``"thread"`` runs the attacker in this process (a timed-out attack is
+        abandoned); ``"process"`` runs it in a worker process that is killed on
+        timeout (the attacker must be picklable). Call :meth:`close` at the end.
     audit_key : str (default: "audit")
         Name of the simulation-only ConfigRecord that clients add to their replies.
     seed : int (default: 0)
@@ -93,6 +97,7 @@ class HonestButCuriousStrategy(Strategy):
         batch_size: int | None = None,
         time_budget: float | None = None,
         timeout: float | None = None,
+        isolation: str = "thread",
         audit_key: str = AUDIT_KEY,
         seed: int = 0,
     ) -> None:
@@ -106,6 +111,7 @@ class HonestButCuriousStrategy(Strategy):
                 raise ValueError(f"{name} must be positive or None, got {value}")
         self.strategy = strategy
         self.attacker = attacker
+        self.runner = make_runner(attacker, isolation)
         self.store = store
         self.scorer = scorer
         self.weight_key = weight_key or None
@@ -140,7 +146,13 @@ class HonestButCuriousStrategy(Strategy):
             self.attack_fraction,
             "all" if self.attack_partitions is None else sorted(self.attack_partitions),
         )
-        log(INFO, "\t│\t├── Time budget / timeout: %s s / %s s", self.time_budget, self.timeout)
+        log(
+            INFO,
+            "\t│\t├── Time budget / timeout: %s s / %s s (%s)",
+            self.time_budget,
+            self.timeout,
+            type(self.runner).__name__,
+        )
         log(
             INFO,
             "\t│\t└── Store: %s",
@@ -193,6 +205,10 @@ class HonestButCuriousStrategy(Strategy):
             if reply.has_content() and audit_record(reply.content, self.audit_key) is not None:
                 del reply.content[self.audit_key]
         return self.strategy.aggregate_train(server_round, replies_list)
+
+    def close(self) -> None:
+        """Stop the attack worker process, if any."""
+        self.runner.close()
 
     # ---------------------------------------------------------------- evaluation
 
@@ -251,8 +267,7 @@ class HonestButCuriousStrategy(Strategy):
             return self._failed(server_round, identity, details, f"unreadable update: {error}")
 
         # The attacker sees the observed update and the global layer, nothing else.
-        result = run_attack(
-            self.attacker,
+        result = self.runner.run(
             update,
             batch_size=self.batch_size,
             time_budget=self.time_budget,

@@ -52,6 +52,7 @@ DEFAULT_RUN_CONFIG: dict[str, UserConfigValue] = {
     "attack-partitions": "",
     "attack-time-budget": 60.0,
     "attack-timeout": 0.0,
+    "attack-isolation": "process",
     "attack-weight-key": "",
     "attack-bias-key": "",
     "attack-batch-size": 0,
@@ -86,6 +87,7 @@ CLIENT_KEYS: tuple[str, ...] = (
 
 TRAIN_MODES = ("fedsgd", "fedavg", "dpsgd")
 PARTITIONINGS = ("iid", "label-skew")
+ISOLATIONS = ("process", "thread")
 
 
 def _coerce(key: str, value: UserConfigValue, default: UserConfigValue) -> UserConfigValue:
@@ -179,6 +181,10 @@ def _validate(config: Mapping[str, UserConfigValue]) -> None:
     for key in ("dataset-limit", "depth", "attack-batch-size", "noise-multiplier", "attack-timeout"):
         if config[key] < 0:  # type: ignore[operator]
             raise ValueError(f"{key} must be non-negative, got {config[key]!r}")
+    if config["attack-isolation"] not in ISOLATIONS:
+        raise ValueError(
+            f"attack-isolation must be one of {ISOLATIONS}, got {config['attack-isolation']!r}"
+        )
     parse_partitions(str(config["attack-partitions"]))
 
 

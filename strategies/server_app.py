@@ -85,6 +85,7 @@ def build_strategy(
         batch_size=batch_size or None,
         time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
         timeout=attack_timeout(config),
+        isolation=str(config["attack-isolation"]),
         seed=int(config["attack-seed"]),  # type: ignore[arg-type]
     )
 
@@ -136,13 +137,17 @@ def run_audit(
     if store is not None:
         log(INFO, "Reconstructions are stored in %s", store.directory)
 
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=int(config["num-server-rounds"]),  # type: ignore[arg-type]
-        train_config=client_config(config),
-        evaluate_config=client_config(config),
-    )
+    try:
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=int(config["num-server-rounds"]),  # type: ignore[arg-type]
+            train_config=client_config(config),
+            evaluate_config=client_config(config),
+        )
+    finally:
+        if isinstance(strategy, HonestButCuriousStrategy):
+            strategy.close()
     if isinstance(strategy, HonestButCuriousStrategy):
         _log_audit(strategy)
     return result, strategy
