@@ -182,7 +182,10 @@ class GradientInversionAttack(ABC):
                 "the layer has too little ReLU sparsity structure to attack"
             )
         tau = min_sparsity(int(active.sum()), false_rejection=self.false_rejection)
-        min_zeros = max(b, math.ceil(self._sparsity_fraction(tau) * int(active.sum())))
+        # neurons dead for the whole batch were dropped from the count; similar inputs leave
+        # true directions with fewer zeros than the binomial model expects, so the filter
+        # keeps half of SPEAR's tau and lets selection reject what it lets through
+        min_zeros = max(b + 1, math.ceil(0.5 * tau * int(active.sum()))) if b > 1 else 0
         stats["min_zeros"] = min_zeros
         noisy = relative_noise > NOISY_ABOVE
         stats["noisy"] = noisy
@@ -214,14 +217,13 @@ class GradientInversionAttack(ABC):
             inputs=selection.inputs.detach().cpu(),
             batch_size=b,
             sparsity_matching=selection.sparsity_matching,
-            complete=selection.complete,
+            # on a clean gradient, b directions whose ReLU pattern contradicts the gradient are
+            # not a verified reconstruction: never report them as complete
+            complete=selection.complete and (state.noisy or self._accepted(selection)),
             confidence=selection.per_sample.clamp_min(0).detach().cpu(),
             seconds=elapsed,
             stats=stats,
         )
-
-    def _sparsity_fraction(self, tau: float) -> float:
-        return tau
 
     def _run(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
         b = state.factors.batch_size
@@ -295,7 +297,7 @@ class GradientInversionAttack(ABC):
         """Select from the sparsest ``3 b`` candidates, swapping only until the deadline."""
         pool = state.pool
         limit = 3 * state.factors.batch_size
-        if len(pool) > limit:
+        if state.noisy and len(pool) > limit:
             top = torch.topk(pool.zero_counts, k=limit).indices
             return select(scorer, pool.directions[top], pool.zero_counts[top], deadline=state.deadline)
         return select(scorer, pool.directions, pool.zero_counts, deadline=state.deadline)
@@ -450,7 +452,7 @@ class SpearPlusPlus(GradientInversionAttack):
             rounds += 1
             minima = optimize_on_sphere(
                 left_fast, torch.cat(inits), surrogate=self.surrogate, optimizer=self.optimizer,
-                schedule=schedule,
+                schedule=schedule, deadline=state.deadline,
             ).to(torch.float64)
             used += count
             state.stats["initializations"] = used

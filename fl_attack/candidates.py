@@ -69,12 +69,22 @@ class CandidatePool:
         proposals, counts = proposals[keep], counts[keep]
         if proposals.shape[0] == 0:
             return 0
-        proposals_and_pool = torch.cat([self.directions, proposals], dim=0)
-        kept = deduplicate(proposals_and_pool, cos_tolerance=self.cos_tolerance)
-        new = kept[kept >= len(self)] - len(self)
-        self.directions = torch.cat([self.directions, proposals[new]], dim=0)
-        self.zero_counts = torch.cat([self.zero_counts, counts[new]], dim=0)
-        return int(new.numel())
+        if len(self):
+            # a proposal duplicating a pool member with fewer zeros is its more exact version
+            similarity = (proposals @ self.directions.T).abs()
+            nearest = similarity.argmax(dim=1)
+            duplicate = similarity.gather(1, nearest[:, None]).squeeze(1) > 1.0 - self.cos_tolerance
+            better = duplicate & (counts > self.zero_counts[nearest])
+            for index in torch.nonzero(better).flatten().tolist():
+                target = int(nearest[index])
+                if counts[index] > self.zero_counts[target]:
+                    self.directions[target] = proposals[index]
+                    self.zero_counts[target] = counts[index]
+            proposals, counts = proposals[~duplicate], counts[~duplicate]
+        kept = deduplicate(proposals, cos_tolerance=self.cos_tolerance)
+        self.directions = torch.cat([self.directions, proposals[kept]], dim=0)
+        self.zero_counts = torch.cat([self.zero_counts, counts[kept]], dim=0)
+        return int(kept.numel())
 
     def _remember_mixtures(self, mixtures: torch.Tensor) -> None:
         if mixtures.shape[0] == 0:

@@ -66,11 +66,10 @@ def estimate_batch_size(singular_values: torch.Tensor, *, shape: tuple[int, int]
         raise ValueError("the gradient has no non-zero singular value")
     full = s.numel()
     tiny = s[0] * torch.finfo(torch.float64).eps * max(shape)
-    positive = s[s > tiny]
-    if positive.numel() < full and positive.numel() > 0:
-        rank = positive.numel()
-        return SpectrumEstimate(rank, math.inf, float(s[rank] / s[rank - 1]) if rank < full else 0.0, False)
-    log_s = torch.log(s.clamp_min(tiny))
+    # exact zeros come from neurons dead for the whole batch (or exact low-rank input): they
+    # are not part of the noise tail, so the gap is searched among the non-zero values only
+    nonzero = int((s > tiny).sum())
+    log_s = torch.log(s[:nonzero])
     gaps = log_s[:-1] - log_s[1:]
     if gaps.numel():
         best = int(torch.argmax(gaps))
@@ -78,12 +77,23 @@ def estimate_batch_size(singular_values: torch.Tensor, *, shape: tuple[int, int]
         if best_gap >= CLEAN_GAP:
             b = best + 1
             return SpectrumEstimate(b, best_gap, float(s[b] / s[b - 1]), False)
+    if nonzero < full:
+        return SpectrumEstimate(nonzero, math.inf, float(s[nonzero] / s[nonzero - 1]), False)
     beta = min(shape) / max(shape)
     threshold = _gavish_donoho_omega(beta) * float(torch.median(s))
     b = int((s > threshold).sum())
+    tail = s[b:]
+    small, large = math.sqrt(min(shape)), math.sqrt(max(shape))
+    if b > 0 and tail.numel() >= 3 and large > small:
+        # Gaussian noise has a flat tail (Marchenko-Pastur bulk between sqrt(N) -/+ sqrt(M));
+        # a tail decaying far faster is signal: a batch too large to leave a low rank
+        bulk_spread = (large + small) / (large - small)
+        if float(tail[0] / tail[-1].clamp_min(tiny)) > 4.0 * bulk_spread:
+            b = full
     if b == 0 or b >= full:
+        largest = math.exp(float(gaps.max())) if gaps.numel() else 1.0
         raise ValueError(
-            f"no low-rank structure in the gradient spectrum (largest gap x{math.exp(float(gaps.max())) if gaps.numel() else 1:.3g}):"
+            f"no low-rank structure in the gradient spectrum (largest gap x{largest:.3g}):"
             f" the batch size is probably >= min(m, n) = {min(shape)}, which no exact attack can invert"
         )
     return SpectrumEstimate(b, float(s[b - 1] / s[b]), float(s[b] / s[b - 1]), True)

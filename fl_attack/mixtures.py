@@ -88,8 +88,14 @@ def split_mixtures(
         counts, centre = _densest_angle(angles, width)
         good = (counts >= b - 1) & (centre.abs() > 2 * width) & ((math.pi / 2 - centre.abs()) > 2 * width)
         if bool(good.any()):
-            theta = centre[good, None]
-            proposals.append(torch.cos(theta) * c[good] + torch.sin(theta) * f[good])
+            # the window centre is only accurate to half its width: fit the plane direction
+            # that vanishes on the rows inside the window by least squares
+            offset = torch.remainder(angles[good] - centre[good, None] + math.pi / 2, math.pi) - math.pi / 2
+            inside = (offset.abs() <= width / 2).to(left.dtype)
+            pair = torch.stack([along_c[good], along_f[good]], dim=-1) * inside.unsqueeze(-1)
+            _, vectors = torch.linalg.eigh(pair.transpose(1, 2) @ pair)
+            weights = vectors[:, :, 0]
+            proposals.append(weights[:, :1] * c[good] + weights[:, 1:] * f[good])
     if not proposals:
         return mixtures.new_zeros(0, b)
     return torch.cat(proposals, dim=0)

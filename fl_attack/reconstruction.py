@@ -28,7 +28,10 @@ class Reconstruction:
         (SPEAR Def. 4.1); 1.0 means the ReLU pattern implied by ``inputs`` agrees everywhere
         with the zero pattern of the observed gradient.
     complete
-        True when ``batch_size`` independent sparse directions were found and selected.
+        True when ``batch_size`` independent sparse directions were found and, on a clean
+        gradient, every sample's ReLU pattern agrees with the gradient (confidence >= the
+        attack's ``accept_matching``). On a noisy gradient (DP noise, FedAvg drift) agreement
+        cannot be exact and ``complete`` only says that all directions were found.
     confidence
         ``(batch_size,)`` float64 tensor: per-sample sparsity-matching coefficient, 0 for
         placeholder rows. Near 1 means the sample is consistent with the observed update.

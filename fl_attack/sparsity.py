@@ -131,8 +131,17 @@ def refine_on_zeros(
         if not bool(enough.any()):
             break
         gram = torch.einsum("km,mi,mj->kij", mask[enough], left, left)
-        _, eigenvectors = torch.linalg.eigh(gram)
-        refined = eigenvectors[:, :, 0]
+        eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+        # zeros shared by several samples leave a kernel of dimension > 1: stay where the
+        # direction already is inside it instead of jumping to an arbitrary kernel vector
+        floor = (tolerance.absolute**2) * mask[enough].sum(dim=1, keepdim=True)
+        in_kernel = (eigenvalues <= floor).to(left.dtype)
+        in_kernel[:, 0] = 1.0
+        coefficients = (eigenvectors.transpose(1, 2) @ directions[enough].unsqueeze(-1)).squeeze(-1)
+        multi = in_kernel.sum(dim=1) > 1
+        projected = (eigenvectors @ (coefficients * in_kernel).unsqueeze(-1)).squeeze(-1)
+        refined = torch.where(multi[:, None], projected, eigenvectors[:, :, 0])
+        refined = refined / refined.norm(dim=1, keepdim=True).clamp_min(1e-300)
         # keep the orientation of the input so repeated refinement is stable
         sign = torch.sign((refined * directions[enough]).sum(dim=1, keepdim=True))
         directions = directions.clone()

@@ -8,10 +8,10 @@ columns of the disaggregation matrix are local minima of the ``l1`` surrogate (S
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
-import geoopt
 import torch
 
 SurrogateGrad = Callable[[torch.Tensor, float], torch.Tensor]
@@ -93,6 +93,7 @@ def optimize_on_sphere(
     optimizer: str = "radam",
     schedule: SphereSchedule = SphereSchedule(),
     smoothing: float | None = None,
+    deadline: float = math.inf,
 ) -> torch.Tensor:
     """Minimize ``sum_j f((left @ q)_j)`` over unit ``q`` for every row of ``initial`` at once.
 
@@ -111,9 +112,13 @@ def optimize_on_sphere(
     smoothing
         Scale of the ``logcosh`` surrogate; defaults to ``0.1 / sqrt(m)``, a tenth of the
         typical entry of a unit gradient column.
+    deadline
+        ``time.perf_counter()`` value at which to stop early and return the current points.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; available: {list(OPTIMIZERS)}")
+    import geoopt  # slow to import (it compiles TorchScript); only the search needs it
+
     m = left.shape[0]
     mu = smoothing if smoothing is not None else 0.1 / math.sqrt(m)
     left_t = left.T.contiguous()
@@ -127,6 +132,8 @@ def optimize_on_sphere(
     flush = torch.set_flush_denormal(True)
     try:
         for step in range(schedule.steps):
+            if step % 25 == 0 and time.perf_counter() > deadline:
+                break
             for group in opt.param_groups:
                 group["lr"] = schedule.lr_at(step)
             with torch.no_grad():

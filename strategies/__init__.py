@@ -1,6 +1,14 @@
 """Server side of fl-attack: an honest-but-curious strategy wrapper and the ServerApp."""
 
-from .attack_runner import AttackResult, Attacker, run_attack
+from .attack_runner import (
+    AttackResult,
+    AttackRunner,
+    Attacker,
+    ProcessAttackRunner,
+    ThreadAttackRunner,
+    make_runner,
+    run_attack,
+)
 from .audit import HonestButCuriousStrategy
 from .config import CLIENT_KEYS, DEFAULT_RUN_CONFIG, resolve_run_config
 from .ground_truth import ReconstructionScorer
@@ -8,6 +16,7 @@ from .layer import LayerKeys, LayerNotFoundError, LayerUpdate, layer_update, sel
 
 __all__ = [
     "AttackResult",
+    "AttackRunner",
     "Attacker",
     "CLIENT_KEYS",
     "DEFAULT_RUN_CONFIG",
@@ -15,8 +24,11 @@ __all__ = [
     "LayerKeys",
     "LayerNotFoundError",
     "LayerUpdate",
+    "ProcessAttackRunner",
     "ReconstructionScorer",
+    "ThreadAttackRunner",
     "layer_update",
+    "make_runner",
     "resolve_run_config",
     "run_attack",
     "select_layer",

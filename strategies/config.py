@@ -18,7 +18,7 @@ from flwr.supercore import log
 #: Every key the app understands, with its default.
 DEFAULT_RUN_CONFIG: dict[str, UserConfigValue] = {
     # Federation
-    "num-server-rounds": 3,
+    "num-server-rounds": 2,
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-nodes": 2,
@@ -50,7 +50,7 @@ DEFAULT_RUN_CONFIG: dict[str, UserConfigValue] = {
     "attack-enabled": True,
     "attack-fraction": 1.0,
     "attack-partitions": "",
-    "attack-time-budget": 60.0,
+    "attack-time-budget": 30.0,
     "attack-timeout": 0.0,
     "attack-isolation": "process",
     "attack-weight-key": "",

@@ -24,16 +24,16 @@ from .audit import HonestButCuriousStrategy
 from .config import client_config, parse_partitions, resolve_run_config
 from .ground_truth import ReconstructionScorer
 
-#: Extra seconds granted on top of twice the time budget before an attack is given up.
-TIMEOUT_GRACE = 30.0
+#: Extra seconds granted on top of 1.5 times the time budget before an attack is given up.
+TIMEOUT_GRACE = 15.0
 
 
 def attack_timeout(config: Mapping[str, UserConfigValue]) -> float:
-    """Hard per-attack limit: ``attack-timeout``, or ``2 * attack-time-budget + 30`` s."""
+    """Hard per-attack limit: ``attack-timeout``, or ``1.5 * attack-time-budget + 15`` s."""
     explicit = float(config["attack-timeout"])  # type: ignore[arg-type]
     if explicit > 0:
         return explicit
-    return 2.0 * float(config["attack-time-budget"]) + TIMEOUT_GRACE  # type: ignore[arg-type]
+    return 1.5 * float(config["attack-time-budget"]) + TIMEOUT_GRACE  # type: ignore[arg-type]
 
 
 def build_store(config: Mapping[str, UserConfigValue]) -> ReconstructionStore:
