@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from fl_attack.candidates import CandidatePool
 from fl_attack.mixtures import split_mixtures
-from fl_attack.last_direction import scan_last_direction
+from fl_attack.last_direction import scan_missing_directions
 from fl_attack.lowrank import LowRankFactors, decompose
 from fl_attack.observation import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.reconstruction import Reconstruction
@@ -304,23 +304,20 @@ class GradientInversionAttack(ABC):
 
     def _last_direction_proposals(self, state: _SearchState, scorer: SparsityMatchingScorer,
                                   selection: Selection) -> torch.Tensor:
-        """Scan for the one direction missing (or doubtful) in an otherwise accepted selection."""
+        """Scan for the one or two directions missing (or doubtful) in an otherwise good selection."""
         b = state.factors.batch_size
-        found = selection.found.clone()
-        if selection.complete:
-            doubtful = selection.per_sample < self.accept_matching
-            if int(doubtful.sum()) != 1:
-                return state.factors.left.new_zeros(0, b)
-            found &= ~doubtful
-        if int(found.sum()) != b - 1:
+        trusted = selection.found & (selection.per_sample >= self.accept_matching) \
+            if selection.complete else selection.found.clone()
+        if int(trusted.sum()) not in (b - 1, b - 2):
             return state.factors.left.new_zeros(0, b)
-        proposals = scan_last_direction(
+        proposals = scan_missing_directions(
             state.factors,
-            selection.directions[found],
+            selection.directions[trusted],
             pre_activation_basis=scorer.pre_activation_basis[state.active],
             bias=scorer.update.bias[state.active],
             tolerance=state.pool.tolerance,
             min_zeros=state.pool.min_zeros,
+            deadline=state.deadline,
         )
         state.stats["scan_proposals"] = state.stats.get("scan_proposals", 0) + int(proposals.shape[0])
         return proposals

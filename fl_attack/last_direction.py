@@ -1,23 +1,96 @@
-"""The last missing direction from the other b - 1, by a one-dimensional ReLU-pattern scan.
+"""The last one or two missing directions, by scanning ReLU patterns of the known input space.
 
-With ``b - 1`` columns of the disaggregation matrix known, the missing sample's row ``p`` of
-``Q^{-1}`` is orthogonal to all of them, so its input is known up to a scalar:
-``x = alpha R^T p``. Its pre-activations ``alpha a + bias`` (``a = W R^T p``) switch sign at
-``m`` breakpoints ``alpha_j = -bias_j / a_j``; between two breakpoints the set ``Z`` of
-inactive neurons is fixed, and at the true ``alpha`` the rows ``Z`` of ``L`` share a kernel:
-the missing direction. All ``m + 1`` patterns are scanned at once with cumulative Gram
-matrices updated one neuron at a time. This finds directions whose basins the sphere search keeps missing.
+With ``b - d`` columns of the disaggregation matrix known, the rows of ``Q^{-1}`` of the
+``d`` missing samples are orthogonal to all of them, so the missing inputs lie in a known
+``d``-dimensional space: ``x = R^T P beta``. Along a line ``beta = alpha u`` the
+pre-activations ``alpha (W R^T P u) + bias`` switch sign at ``m`` breakpoints; between two
+breakpoints the set ``Z`` of inactive neurons is fixed, and when ``Z`` is a missing sample's
+pattern the rows ``Z`` of ``L`` share a kernel: the missing direction.
+
+* ``d = 1``: the line through the origin is the whole space, so one scan of its ``m + 1``
+  patterns is exact.
+* ``d = 2``: lines through the origin at many angles; a line crossing the cell of a missing
+  sample's ``beta`` finds its direction.
+
+Patterns along a line differ by one neuron at a time, so their Gram matrices are rank-one
+updates of each other, and a Cholesky attempt of ``G - eps I`` screens them cheaply.
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 import torch
 
 from fl_attack.lowrank import LowRankFactors
 from fl_attack.sparsity import ZeroTolerance
 
+#: Upper bound on the flops spent on the ``d = 2`` scan (Cholesky screens of all patterns).
+PAIR_SCAN_FLOPS = 3e10
 
-def scan_last_direction(
+
+def _scan_line(
+    left: torch.Tensor,
+    slope: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    minimum: int,
+    tolerance: float,
+    chunk: int,
+) -> list[tuple[float, torch.Tensor]]:
+    """Near-exact kernels of the patterns of ``alpha * slope + bias <= 0`` over all ``alpha``."""
+    b = left.shape[1]
+    usable = slope != 0
+    breakpoints = torch.where(usable, -bias / torch.where(usable, slope, torch.ones_like(slope)),
+                              torch.full_like(slope, float("inf")))
+    order = torch.argsort(breakpoints)
+    ordered = breakpoints[order]
+    finite = torch.isfinite(ordered)
+    ordered, order = ordered[finite], order[finite]
+    if ordered.numel() == 0:
+        return []
+    # one probe per interval between consecutive breakpoints, plus one beyond each end
+    probes = torch.cat([ordered[:1] - 1.0 - ordered[:1].abs(), (ordered[:-1] + ordered[1:]) / 2,
+                        ordered[-1:] + 1.0 + ordered[-1:].abs()])
+    first_inactive = (probes[0] * slope + bias) <= 0
+    steps = torch.where(slope[order] < 0, 1, -1)
+    counts = torch.cat([first_inactive.sum()[None], first_inactive.sum() + torch.cumsum(steps, dim=0)])
+    # crossing breakpoint k upwards flips neuron order[k]: the Gram changes by one outer product
+    signs = steps.to(left.dtype)
+    gram = left.T @ (first_inactive.to(left.dtype)[:, None] * left)
+    eye = torch.eye(b, dtype=left.dtype, device=left.device)
+    found: list[tuple[float, torch.Tensor]] = []
+    for start in range(0, probes.numel(), chunk):
+        stop = min(start + chunk, probes.numel())
+        index = torch.arange(start, stop, device=left.device)
+        flips = index[index > 0] - 1
+        rows = left[order[flips]]
+        grams = gram + torch.cumsum(signs[flips, None, None] * rows[:, :, None] * rows[:, None, :], dim=0) \
+            if flips.numel() else gram[None]
+        if flips.numel() < index.numel():  # the first chunk starts with the initial pattern itself
+            grams = torch.cat([gram[None], grams], dim=0)
+        gram = grams[-1]
+        chunk_counts = counts[start:stop]
+        keep = (chunk_counts >= minimum) & (probes[start:stop] != 0)
+        if not bool(keep.any()):
+            continue
+        kept_grams, kept_counts = grams[keep], chunk_counts[keep].to(left.dtype)
+        # a pattern with a kernel makes G - eps I indefinite: Cholesky fails exactly there
+        eps = (10.0 * tolerance) ** 2 * kept_counts
+        _, info = torch.linalg.cholesky_ex(kept_grams - eps[:, None, None] * eye)
+        hits = info != 0
+        if not bool(hits.any()):
+            continue
+        eigenvalues, eigenvectors = torch.linalg.eigh(kept_grams[hits])
+        residual = eigenvalues[:, 0].clamp_min(0).sqrt() / kept_counts[hits].sqrt()
+        for value, vector in zip(residual.tolist(), eigenvectors[:, :, 0]):
+            if value <= 10.0 * tolerance:
+                found.append((value, vector))
+    return found
+
+
+def scan_missing_directions(
     factors: LowRankFactors,
     found: torch.Tensor,
     *,
@@ -27,15 +100,16 @@ def scan_last_direction(
     min_zeros: int,
     max_proposals: int = 8,
     chunk: int = 256,
+    deadline: float = math.inf,
 ) -> torch.Tensor:
-    """Propose the direction missing from ``b - 1`` found ones.
+    """Propose the directions missing from ``b - 1`` or ``b - 2`` found ones.
 
     Parameters
     ----------
     factors
         Low-rank factors restricted to the informative neurons.
     found
-        ``(b - 1, b)`` linearly independent directions believed correct.
+        ``(b - d, b)`` linearly independent directions believed correct, ``d`` in {1, 2}.
     pre_activation_basis
         ``(m', b)`` ``W R^T`` restricted to the same neurons as ``factors.left``.
     bias
@@ -44,6 +118,8 @@ def scan_last_direction(
         Zero tolerance of unit gradient columns.
     min_zeros
         Patterns with fewer inactive neurons are not considered.
+    deadline
+        ``time.perf_counter()`` value after which the ``d = 2`` scan stops.
 
     Returns
     -------
@@ -52,51 +128,27 @@ def scan_last_direction(
     """
     left = factors.left
     m, b = left.shape
-    if found.shape[0] != b - 1 or b < 2:
+    missing = b - found.shape[0]
+    if missing not in (1, 2) or b < 2:
         return left.new_zeros(0, b)
     complete, _ = torch.linalg.qr(found.T, mode="complete")
-    dual = complete[:, -1]  # orthogonal to every found direction
-    slope = pre_activation_basis @ dual
-    usable = slope != 0
-    breakpoints = torch.where(usable, -bias / torch.where(usable, slope, torch.ones_like(slope)),
-                              torch.full_like(slope, float("inf")))
-    order = torch.argsort(breakpoints)
-    ordered = breakpoints[order]
-    finite = torch.isfinite(ordered)
-    ordered, order = ordered[finite], order[finite]
-    if ordered.numel() == 0:
-        return left.new_zeros(0, b)
-    # one probe per interval between consecutive breakpoints, plus one beyond each end
-    probes = torch.cat([ordered[:1] - 1.0 - ordered[:1].abs(), (ordered[:-1] + ordered[1:]) / 2,
-                        ordered[-1:] + 1.0 + ordered[-1:].abs()])
-    first_inactive = (probes[0] * slope + bias) <= 0
-    counts = first_inactive.sum() + torch.cumsum(torch.where(slope[order] < 0, 1, -1), dim=0)
-    counts = torch.cat([first_inactive.sum()[None], counts])
-    # crossing breakpoint k upwards flips neuron order[k]: the pattern Gram changes by one outer product
-    signs = torch.where(slope[order] < 0, 1.0, -1.0).to(left.dtype)
-    gram = left.T @ (first_inactive.to(left.dtype)[:, None] * left)
-    lowest_found: list[tuple[float, torch.Tensor]] = []
+    dual = complete[:, b - missing:]  # (b, d): orthogonal to every found direction
+    slopes = pre_activation_basis @ dual  # (m, d)
     minimum = max(min_zeros, b - 1)
-    for start in range(0, probes.numel(), chunk):
-        stop = min(start + chunk, probes.numel())
-        steps = torch.arange(start, stop, device=left.device)
-        flips = steps[steps > 0] - 1
-        rows = left[order[flips]]
-        updates = signs[flips, None, None] * rows[:, :, None] * rows[:, None, :]
-        grams = gram + torch.cumsum(updates, dim=0) if flips.numel() else gram[None]
-        if flips.numel() < steps.numel():  # the first chunk starts with the initial pattern itself
-            grams = torch.cat([gram[None], grams], dim=0)
-        gram = grams[-1]
-        chunk_counts = counts[start:stop]
-        keep = (chunk_counts >= minimum) & (probes[start:stop] != 0)
-        if not bool(keep.any()):
-            continue
-        eigenvalues, eigenvectors = torch.linalg.eigh(grams[keep])
-        residual = eigenvalues[:, 0].clamp_min(0).sqrt() / chunk_counts[keep].to(left.dtype).sqrt()
-        for value, vector in zip(residual.tolist(), eigenvectors[:, :, 0]):
-            if value <= 10 * tolerance.absolute:
-                lowest_found.append((value, vector))
-    lowest_found.sort(key=lambda item: item[0])
-    if not lowest_found:
+    hits: list[tuple[float, torch.Tensor]] = []
+    if missing == 1:
+        hits = _scan_line(left, slopes[:, 0], bias, minimum=minimum, tolerance=tolerance.absolute, chunk=chunk)
+    else:
+        lines = int(max(8, min(4 * m, PAIR_SCAN_FLOPS / (m * b**3 / 3 + 1))))
+        offset = 0.5 * math.pi / lines
+        for k in range(lines):
+            if time.perf_counter() > deadline:
+                break
+            angle = offset + math.pi * k / lines
+            slope = math.cos(angle) * slopes[:, 0] + math.sin(angle) * slopes[:, 1]
+            hits.extend(_scan_line(left, slope, bias, minimum=minimum, tolerance=tolerance.absolute,
+                                   chunk=chunk))
+    if not hits:
         return left.new_zeros(0, b)
-    return torch.stack([vector for _, vector in lowest_found[:max_proposals]])
+    hits.sort(key=lambda item: item[0])
+    return torch.stack([vector for _, vector in hits[: max_proposals * missing]])

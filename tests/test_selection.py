@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fl_attack.datasets import load_dataset, sample_batch
-from fl_attack.last_direction import scan_last_direction
+from fl_attack.last_direction import scan_missing_directions
 from fl_attack.lowrank import LowRankFactors, decompose
 from fl_attack.mixtures import split_mixtures
 from fl_attack.observation import ObservedUpdate
@@ -232,7 +232,7 @@ def test_orthonormal_completion_of_nothing_is_the_identity() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# split_mixtures and scan_last_direction
+# split_mixtures and scan_missing_directions
 # --------------------------------------------------------------------------------------
 
 
@@ -315,14 +315,14 @@ def test_split_mixtures_of_nothing_proposes_nothing() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("missing", [0, -1])
-def test_scan_last_direction_finds_the_missing_one(case, missing: int) -> None:
+def test_scan_missing_directions_finds_the_missing_one(case, missing: int) -> None:
     truth = _truth(*case)
     b = truth.batch
     missing = missing % b
     active = truth.active()
     scorer = truth.scorer()
     found = torch.cat([truth.directions[:missing], truth.directions[missing + 1:]])
-    proposals = scan_last_direction(
+    proposals = scan_missing_directions(
         _restricted(truth),
         found,
         pre_activation_basis=scorer.pre_activation_basis[active],
@@ -334,11 +334,23 @@ def test_scan_last_direction_finds_the_missing_one(case, missing: int) -> None:
     assert _best_cos(proposals, truth.directions[missing]) > COS_EXACT
 
 
-def test_scan_last_direction_needs_b_minus_one_directions() -> None:
+def test_scan_missing_directions_finds_two_missing_ones() -> None:
     truth = _truth("faces", 4, 100, 0)
     scorer = truth.scorer()
-    proposals = scan_last_direction(
+    proposals = scan_missing_directions(
         truth.factors, truth.directions[:2], pre_activation_basis=scorer.pre_activation_basis,
+        bias=truth.update.bias, tolerance=truth.tolerance, min_zeros=4,
+    )
+    assert proposals.shape[0] >= 1
+    best = max(_best_cos(proposals, truth.directions[2]), _best_cos(proposals, truth.directions[3]))
+    assert best > COS_EXACT
+
+
+def test_scan_missing_directions_needs_at_most_two_missing() -> None:
+    truth = _truth("faces", 4, 100, 0)
+    scorer = truth.scorer()
+    proposals = scan_missing_directions(
+        truth.factors, truth.directions[:1], pre_activation_basis=scorer.pre_activation_basis,
         bias=truth.update.bias, tolerance=truth.tolerance, min_zeros=4,
     )
     assert proposals.shape == (0, 4)
