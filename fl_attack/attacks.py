@@ -31,10 +31,14 @@ from fl_attack.sphere_search import (
 
 logger = logging.getLogger(__name__)
 
-#: Above this relative noise ``s_{b+1}/s_b`` the gradient is treated as noisy (DP noise,
-#: FedAvg drift): exact zeros no longer exist, directions are estimated by least squares,
+#: Above this relative noise ``s_{b+1}/s_b`` the gradient is treated as noisy (DP noise):
+#: exact zeros no longer exist, directions are estimated by least squares,
 #: and the search stops when the sparsity matching stops improving.
 NOISY_ABOVE = 1e-3
+
+#: On a clean gradient, a complete selection whose every sample matches at least this well
+#: is kept once restarts stop improving it (FedAvg drift keeps exact samples just below 1).
+SETTLED_MATCHING = 0.9
 
 
 @dataclass
@@ -240,7 +244,9 @@ class GradientInversionAttack(ABC):
                 rounds += 1
                 new = state.pool.add(proposals)
                 if new == 0 and best is not None:
-                    if time.perf_counter() > state.deadline:
+                    stale += 1
+                    if self._settled(state, best, stale) or time.perf_counter() > state.deadline:
+                        state.stats["stopped_by"] = "no_improvement"
                         break
                     continue
                 if len(state.pool) >= 1:
@@ -251,7 +257,7 @@ class GradientInversionAttack(ABC):
                         stale = 0 if improved else stale + 1
                     else:
                         stale += 1
-                    if state.noisy and best.complete and stale >= self.patience:
+                    if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
                     bar.n = int(best.found.sum())
@@ -268,6 +274,19 @@ class GradientInversionAttack(ABC):
         if best is None:
             best = self._select(state, scorer)
         return best
+
+    def _settled(self, state: _SearchState, best: Selection, stale: int) -> bool:
+        """Whether more rounds are unlikely to help a complete selection.
+
+        On noisy gradients the matching cannot reach 1. On clean FedAvg updates the ReLU
+        pattern drifts over the local steps, so exact directions match slightly below 1
+        everywhere; a selection with a clearly wrong column keeps searching.
+        """
+        if not best.complete:
+            return False
+        if state.noisy:
+            return stale >= self.patience
+        return stale >= 2 * self.patience and float(best.per_sample.min()) >= SETTLED_MATCHING
 
     def _accepted(self, selection: Selection) -> bool:
         return selection.complete and float(selection.per_sample.min()) >= self.accept_matching

@@ -24,15 +24,6 @@ from fl_attack.victims import build_victim, client_gradient, fedsgd_update, firs
 EXACT_DB = 90.0
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """The suite shares two CPU cores with other jobs: keep torch on one thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # --------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------

@@ -13,14 +13,6 @@ from fl_attack.lowrank import decompose, estimate_batch_size
 from fl_attack.victims import build_victim, client_gradient, first_linear, median_abs_entry, noisy_gradient
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @functools.lru_cache(maxsize=None)
 def _gradient(name: str, batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 first-layer gradient, true ``dL/dZ`` as ``(m, b)`` and the flat inputs ``(b, n)``."""

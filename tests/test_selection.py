@@ -31,14 +31,6 @@ from fl_attack.victims import build_victim, client_gradient, first_linear
 COS_EXACT = 1 - 1e-8
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @dataclass(frozen=True)
 class Truth:
     update: ObservedUpdate
