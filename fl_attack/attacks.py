@@ -187,14 +187,16 @@ class GradientInversionAttack(ABC):
             )
         tau = min_sparsity(int(active.sum()), false_rejection=self.false_rejection)
         # neurons dead for the whole batch were dropped from the count; similar inputs leave
-        # true directions with fewer zeros than the binomial model expects, so the filter
-        # keeps half of SPEAR's tau and lets selection reject what it lets through
-        min_zeros = max(b + 1, math.ceil(0.5 * tau * int(active.sum()))) if b > 1 else 0
+        # true directions with fewer zeros than the binomial model expects, so candidates
+        # down to half of SPEAR's tau are kept as weak ones, chosen only after confident ones
+        min_zeros = max(b + 1, math.ceil(tau * int(active.sum()))) if b > 1 else 0
+        weak_min_zeros = max(b + 1, math.ceil(0.5 * tau * int(active.sum()))) if b > 1 else 0
         stats["min_zeros"] = min_zeros
         noisy = relative_noise > NOISY_ABOVE
         stats["noisy"] = noisy
         cos_tolerance = min(1e-2, max(1e-9, 50.0 * relative_noise**2))
-        pool = CandidatePool(search_factors, tolerance, min_zeros=min_zeros, cos_tolerance=cos_tolerance)
+        pool = CandidatePool(search_factors, tolerance, min_zeros=min_zeros, weak_min_zeros=weak_min_zeros,
+                             cos_tolerance=cos_tolerance)
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
         state = _SearchState(
             factors=search_factors,
@@ -245,8 +247,11 @@ class GradientInversionAttack(ABC):
                 new = state.pool.add(proposals)
                 if new == 0 and best is not None:
                     stale += 1
-                    if self._settled(state, best, stale) or time.perf_counter() > state.deadline:
+                    if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
+                        break
+                    if time.perf_counter() > state.deadline:
+                        state.stats["stopped_by"] = "time_budget"
                         break
                     continue
                 if len(state.pool) >= 1:
@@ -313,20 +318,30 @@ class GradientInversionAttack(ABC):
         return selection
 
     def _select(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
-        """Select from the sparsest ``3 b`` candidates, swapping only until the deadline."""
+        """Select from confident then weak candidates, swapping only until the deadline.
+
+        Weak candidates rank after every confident one in the sparsest-first stage; on noisy
+        gradients only the sparsest ``3 b`` confident candidates are considered.
+        """
         pool = state.pool
+        directions, counts = pool.directions, pool.zero_counts
         limit = 3 * state.factors.batch_size
         if state.noisy and len(pool) > limit:
-            top = torch.topk(pool.zero_counts, k=limit).indices
-            return select(scorer, pool.directions[top], pool.zero_counts[top], deadline=state.deadline)
-        return select(scorer, pool.directions, pool.zero_counts, deadline=state.deadline)
+            top = torch.topk(counts, k=limit).indices
+            directions, counts = directions[top], counts[top]
+        elif not state.noisy:
+            weak, weak_counts = pool.weak()
+            directions = torch.cat([directions, weak], dim=0)
+            counts = torch.cat([counts, weak_counts - state.factors.left.shape[0]], dim=0)
+        return select(scorer, directions, counts, deadline=state.deadline)
 
     def _last_direction_proposals(self, state: _SearchState, scorer: SparsityMatchingScorer,
                                   selection: Selection) -> torch.Tensor:
         """Scan for the one or two directions missing (or doubtful) in an otherwise good selection."""
         b = state.factors.batch_size
-        trusted = selection.found & (selection.per_sample >= self.accept_matching) \
-            if selection.complete else selection.found.clone()
+        trusted = selection.found & _is_member(selection.directions, state.pool.directions)
+        if selection.complete:
+            trusted &= selection.per_sample >= self.accept_matching
         if int(trusted.sum()) not in (b - 1, b - 2):
             return state.factors.left.new_zeros(0, b)
         proposals = scan_missing_directions(
@@ -335,7 +350,7 @@ class GradientInversionAttack(ABC):
             pre_activation_basis=scorer.pre_activation_basis[state.active],
             bias=scorer.update.bias[state.active],
             tolerance=state.pool.tolerance,
-            min_zeros=state.pool.min_zeros,
+            min_zeros=state.pool.weak_min_zeros,
             deadline=state.deadline,
         )
         state.stats["scan_proposals"] = state.stats.get("scan_proposals", 0) + int(proposals.shape[0])
@@ -350,6 +365,14 @@ def _better(candidate: Selection, incumbent: Selection) -> bool:
     key_c = (int(candidate.found.sum()), candidate.sparsity_matching)
     key_i = (int(incumbent.found.sum()), incumbent.sparsity_matching)
     return key_c > key_i
+
+
+def _is_member(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Which of ``rows`` are (up to sign) rows of ``pool``."""
+    if pool.shape[0] == 0:
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (pool / pool.norm(dim=1, keepdim=True)).T
+    return (similarity.abs() > 1 - 1e-9).any(dim=1)
 
 
 def _rows_not_in(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

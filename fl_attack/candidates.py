@@ -24,22 +24,29 @@ class CandidatePool:
     tolerance
         Zero tolerance for the entries of unit gradient columns.
     min_zeros
-        A proposal is kept only with at least this many exact zeros (the sparsity filter).
+        A proposal is a confident candidate with at least this many exact zeros (SPEAR's
+        sparsity filter).
+    weak_min_zeros
+        Proposals with fewer zeros than ``min_zeros`` but at least this many are kept as weak
+        candidates: true directions of samples whose inputs resemble others have fewer
+        zeros than the binomial model expects, but so do sparse mixtures of two samples.
     cos_tolerance
         Proposals whose |cosine| with a kept direction exceeds ``1 - cos_tolerance`` are duplicates.
     """
 
     def __init__(self, factors: LowRankFactors, tolerance: ZeroTolerance, *, min_zeros: int,
-                 cos_tolerance: float) -> None:
+                 weak_min_zeros: int, cos_tolerance: float) -> None:
         self.factors = factors
         self.tolerance = tolerance
         self.min_zeros = min_zeros
+        self.weak_min_zeros = min(weak_min_zeros, min_zeros)
         self.cos_tolerance = cos_tolerance
         b = factors.batch_size
         self.directions = factors.left.new_zeros(0, b)
         self.zero_counts = torch.zeros(0, dtype=torch.long, device=factors.left.device)
         self.mixtures = factors.left.new_zeros(0, b)
-        self.mixture_limit = 4 * b
+        self.mixture_counts = torch.zeros(0, dtype=torch.long, device=factors.left.device)
+        self.mixture_limit = max(64, 4 * b)
         self.proposals_seen = 0
         self.rejected_sparsity = 0
 
@@ -47,7 +54,8 @@ class CandidatePool:
         return int(self.directions.shape[0])
 
     def add(self, proposals: torch.Tensor) -> int:
-        """Refine, filter and deduplicate ``(k, b)`` proposals; returns how many were new."""
+        """Refine, filter and deduplicate ``(k, b)`` proposals; returns how many new confident
+        or weak candidates were stored."""
         if proposals.shape[0] == 0:
             return 0
         self.proposals_seen += int(proposals.shape[0])
@@ -65,10 +73,11 @@ class CandidatePool:
         keep = counts >= self.min_zeros
         self.rejected_sparsity += int((~keep).sum())
         # more zeros than the b - 1 any kernel has: a sparse mixture of a few samples
-        self._remember_mixtures(proposals[~keep & (counts >= self.factors.batch_size + 2)])
+        sparse_mixture = ~keep & (counts >= self.factors.batch_size + 2)
+        new_weak = self._remember_mixtures(proposals[sparse_mixture], counts[sparse_mixture])
         proposals, counts = proposals[keep], counts[keep]
         if proposals.shape[0] == 0:
-            return 0
+            return new_weak
         if len(self):
             # a proposal duplicating a pool member with fewer zeros is its more exact version
             similarity = (proposals @ self.directions.T).abs()
@@ -84,11 +93,22 @@ class CandidatePool:
         kept = deduplicate(proposals, cos_tolerance=self.cos_tolerance)
         self.directions = torch.cat([self.directions, proposals[kept]], dim=0)
         self.zero_counts = torch.cat([self.zero_counts, counts[kept]], dim=0)
-        return int(kept.numel())
+        return int(kept.numel()) + new_weak
 
-    def _remember_mixtures(self, mixtures: torch.Tensor) -> None:
+    def _remember_mixtures(self, mixtures: torch.Tensor, counts: torch.Tensor) -> int:
+        """Store sparse mixtures; returns how many new weak candidates were stored."""
         if mixtures.shape[0] == 0:
-            return
+            return 0
+        before = len(self.mixtures)
         merged = torch.cat([self.mixtures, mixtures], dim=0)
-        merged = merged[deduplicate(merged, cos_tolerance=self.cos_tolerance)]
-        self.mixtures = merged[-self.mixture_limit:]
+        merged_counts = torch.cat([self.mixture_counts, counts], dim=0)
+        kept = deduplicate(merged, cos_tolerance=self.cos_tolerance)
+        # keep the sparsest: they are the likeliest true directions of look-alike samples
+        kept = kept[torch.argsort(merged_counts[kept], descending=True, stable=True)[: self.mixture_limit]]
+        self.mixtures, self.mixture_counts = merged[kept], merged_counts[kept]
+        return int(((kept >= before) & (merged_counts[kept] >= self.weak_min_zeros)).sum())
+
+    def weak(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weak candidates (see ``weak_min_zeros``) and their zero counts."""
+        keep = self.mixture_counts >= self.weak_min_zeros
+        return self.mixtures[keep], self.mixture_counts[keep]

@@ -134,7 +134,9 @@ def refine_on_zeros(
         eigenvalues, eigenvectors = torch.linalg.eigh(gram)
         # zeros shared by several samples leave a kernel of dimension > 1: stay where the
         # direction already is inside it instead of jumping to an arbitrary kernel vector
-        floor = (tolerance.absolute**2) * mask[enough].sum(dim=1, keepdim=True)
+        # only an exact (float64-level) second kernel vector: a merely small eigenvalue is
+        # noise of the gradient, which the smallest eigenvector averages out
+        floor = 1e-12 * eigenvalues[:, -1:]
         in_kernel = (eigenvalues <= floor).to(left.dtype)
         in_kernel[:, 0] = 1.0
         coefficients = (eigenvectors.transpose(1, 2) @ directions[enough].unsqueeze(-1)).squeeze(-1)
