@@ -262,13 +262,13 @@ class GradientInversionAttack(ABC):
                         stale = 0 if improved else stale + 1
                     else:
                         stale += 1
-                    if self._settled(state, best, stale):
-                        state.stats["stopped_by"] = "no_improvement"
-                        break
                     bar.n = int(best.found.sum())
                     bar.set_postfix(candidates=len(state.pool), matching=f"{best.sparsity_matching:.4f}")
                     bar.refresh()
                     if self._accepted(best):
+                        break
+                    if self._settled(state, best, stale):
+                        state.stats["stopped_by"] = "no_improvement"
                         break
                 if time.perf_counter() > state.deadline:
                     state.stats["stopped_by"] = "time_budget"
