@@ -21,6 +21,9 @@ from fl_attack.sparsity import ZeroTolerance
 #: Residual norm below which a unit direction counts as dependent on those already chosen.
 RANK_TOLERANCE = 1e-6
 
+#: Flops one position of a swap round may spend on scoring trial sets.
+SWAP_FLOPS = 2e9
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -156,7 +159,9 @@ def select(
 
     directions = candidates[chosen].clone()
     per_sample, _ = scorer.score(directions)
-    unused = [i for i in range(candidates.shape[0]) if i not in set(chosen)]
+    chosen_set = set(chosen)
+    unused = sorted((i for i in range(candidates.shape[0]) if i not in chosen_set),
+                    key=lambda i: -int(zero_counts[i]))
     for _ in range(max_swap_rounds):
         if not unused or bool((per_sample >= 1.0).all()) or time.perf_counter() > deadline:
             break
@@ -184,10 +189,16 @@ def _best_swap(
 ) -> tuple[int, int, torch.Tensor] | None:
     """The swap (chosen position, unused candidate) that raises total matching the most."""
     current = float(per_sample.sum())
-    pool = candidates[unused]
+    # one trial set costs ~ m b^2: on large layers only the sparsest unused candidates and
+    # the worst positions are tried, so that a swap round stays within seconds
+    m, b = scorer.factors.left.shape[0], directions.shape[0]
+    per_set = m * b * b
+    pool = candidates[unused[: max(16, int(SWAP_FLOPS // per_set))]]
+    positions = torch.argsort(per_sample).tolist()
+    positions = positions[: max(8, int(SWAP_FLOPS * 8 // (per_set * pool.shape[0])))]
     best: tuple[float, int, int, torch.Tensor] | None = None
     # try the worst-matching positions first; each is one batched evaluation over the pool
-    for position in torch.argsort(per_sample).tolist():
+    for position in positions:
         if per_sample[position] >= 1.0 or time.perf_counter() > deadline:
             break
         trial = directions.expand(pool.shape[0], -1, -1).clone()
