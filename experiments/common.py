@@ -12,6 +12,7 @@ batch with its error string: a benchmark never crashes on one batch.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import logging
@@ -619,3 +620,20 @@ class ResultsWriter:
     def __exit__(self, *exc: object) -> None:
         if not self._handle.closed:
             self._handle.close()
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, *, script: str) -> None:
+    """Options shared by every benchmark script: batch-size estimation, output, threads, seed."""
+    parser.add_argument(
+        "--estimate-batch-size",
+        action="store_true",
+        help="let the attack estimate b instead of passing the true b",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR, help=f"results folder (default {RESULTS_DIR})"
+    )
+    parser.add_argument("--name", help=f"file stem of the results (default {script}[_quick])")
+    parser.add_argument("--threads", type=int, help="torch threads (default 1)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of trial 0; trial t uses seed + t (default 0)"
+    )

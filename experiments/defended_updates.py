@@ -50,7 +50,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from experiments.common import (
-    RESULTS_DIR,
+    add_output_arguments,
     Cell,
     Outcome,
     PaperNumber,
@@ -313,19 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="~2-3 minute check: 20x200 only, 1 trial, small grids, 6 s budget (explicit options win)",
     )
-    p.add_argument(
-        "--estimate-batch-size",
-        action="store_true",
-        help="let the attack estimate b instead of passing the true b",
-    )
-    p.add_argument(
-        "--out", type=Path, default=RESULTS_DIR, help=f"results folder (default {RESULTS_DIR})"
-    )
-    p.add_argument("--name", help="file stem of the results (default defended_updates[_quick])")
-    p.add_argument("--threads", type=int, help="torch threads (default 1)")
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of trial 0; trial t uses seed + t (default 0)"
-    )
+    add_output_arguments(p, script="defended_updates")
     return p
 
 

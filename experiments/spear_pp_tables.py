@@ -26,7 +26,7 @@ from typing import Any
 
 from experiments.common import (
     METHODS,
-    RESULTS_DIR,
+    add_output_arguments,
     Cell,
     Outcome,
     PaperNumber,
@@ -179,19 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="~2 minute check: cells 20x200,25x200 with 3 trials of l1, spear at 10x200 "
         "with 2 trials, 15 s budget (explicit options still win)",
     )
-    parser.add_argument(
-        "--estimate-batch-size",
-        action="store_true",
-        help="let the attack estimate b instead of passing the true b",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=RESULTS_DIR, help=f"results folder (default {RESULTS_DIR})"
-    )
-    parser.add_argument("--name", help="file stem of the results (default spear_pp_tables[_quick])")
-    parser.add_argument("--threads", type=int, help="torch threads (default 1)")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of trial 0; trial t uses seed + t (default 0)"
-    )
+    add_output_arguments(parser, script="spear_pp_tables")
     return parser
 
 
