@@ -22,6 +22,8 @@ from scipy.optimize import linear_sum_assignment
 
 __all__ = [
     "PSNR_CAP_DB",
+    "APPROX_PSNR_DB",
+    "EXACT_PSNR_DB",
     "BatchQuality",
     "batch_accuracy",
     "evaluate_reconstruction",
@@ -34,6 +36,12 @@ __all__ = [
 
 PSNR_CAP_DB: float = 300.0
 """Upper bound reported by :func:`psnr`; a perfect (zero-MSE) reconstruction gets exactly this."""
+
+EXACT_PSNR_DB: float = 90.0
+"""A sample recovered above this PSNR is exact up to float round-off (SPEAR++'s accuracy)."""
+
+APPROX_PSNR_DB: float = 25.0
+"""A sample above this PSNR is recognisably recovered (SPEAR++'s threshold under noise)."""
 
 _SSIM_WINDOW = 11
 _SSIM_SIGMA = 1.5
@@ -336,8 +344,8 @@ def evaluate_reconstruction(
     *,
     denormalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
     image_shape: tuple[int, ...] | None = None,
-    exact_db: float = 90.0,
-    approx_db: float = 25.0,
+    exact_db: float = EXACT_PSNR_DB,
+    approx_db: float = APPROX_PSNR_DB,
 ) -> BatchQuality:
     """Match a reconstructed batch to the ground truth and score it.
 

@@ -5,6 +5,7 @@ A :class:`ReconstructionStore` owns one directory per federated run::
     <run>/
         run_config.json
         attacks.csv                         one row per (round, client)
+        history.json                        training and test metrics per round
         round-001/
             partition-0/
                 reconstruction.npy          recovered layer inputs, (b, n) float64
@@ -45,6 +46,7 @@ TABLE_FILE = "attacks.csv"
 INPUTS_FILE = "reconstruction.npy"
 GRID_FILE = "reconstruction.png"
 METRICS_FILE = "metrics.json"
+HISTORY_FILE = "history.json"
 
 #: Columns of the run table, in order.
 TABLE_COLUMNS: tuple[str, ...] = (
@@ -401,6 +403,10 @@ class ReconstructionStore:
         self.records.append(record)
         atomic_write(self.table_path, self._write_table)
         return directory
+
+    def save_history(self, history: Mapping[str, Any]) -> Path:
+        """Write the run's per-round training/evaluation metrics to ``history.json``."""
+        return atomic_write_json(self.directory / HISTORY_FILE, _jsonable(dict(history)))
 
     def _write_table(self, handle: IO[bytes]) -> None:
         text = io.StringIO()

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from clients.protocol import AUDIT_KEY, TRAIN_MODE_KEY
+from fl_attack.metrics import APPROX_PSNR_DB, EXACT_PSNR_DB
 from fl_attack.store import AttackRecord, ReconstructionStore
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -33,7 +34,10 @@ from .ground_truth import (
     client_identity,
     sample_indices,
 )
-from .layer import LayerKeys, layer_parameters, layer_update, select_layer
+from .layer import LayerKeys, LayerUpdate, layer_parameters, layer_update, select_layer
+
+#: A reply with its sender.
+Member = tuple[Message, ClientIdentity]
 
 
 class HonestButCuriousStrategy(Strategy):
@@ -80,6 +84,11 @@ class HonestButCuriousStrategy(Strategy):
         Name of the simulation-only ConfigRecord that clients add to their replies.
     seed : int (default: 0)
         Seed for drawing the attacked replies when ``attack_fraction < 1``.
+    secagg_group_size : int (default: 1)
+        Simulates secure aggregation: the server only observes the sum of the updates
+        of each group of this many clients (eligible replies in partition order, the
+        last group possibly smaller). Each sum is attacked as one batch, named
+        ``secagg-<member>_<member>...``, and scored per member client.
     """
 
     # pylint: disable=too-many-arguments,too-many-instance-attributes
@@ -100,10 +109,13 @@ class HonestButCuriousStrategy(Strategy):
         isolation: str = "thread",
         audit_key: str = AUDIT_KEY,
         seed: int = 0,
+        secagg_group_size: int = 1,
     ) -> None:
         super().__init__()
         if not 0.0 <= attack_fraction <= 1.0:
             raise ValueError(f"attack_fraction must be in [0, 1], got {attack_fraction}")
+        if secagg_group_size < 1:
+            raise ValueError(f"secagg_group_size must be at least 1, got {secagg_group_size}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive or None, got {batch_size}")
         for name, value in (("time_budget", time_budget), ("timeout", timeout)):
@@ -123,6 +135,7 @@ class HonestButCuriousStrategy(Strategy):
         self.timeout = timeout
         self.audit_key = audit_key
         self.seed = seed
+        self.secagg_group_size = secagg_group_size
         self.layer: LayerKeys | None = None
         self.records: list[AttackRecord] = []
         self._global_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -153,6 +166,8 @@ class HonestButCuriousStrategy(Strategy):
             self.timeout,
             type(self.runner).__name__,
         )
+        if self.secagg_group_size > 1:
+            log(INFO, "\t│\t├── Secure aggregation: sums of %d clients", self.secagg_group_size)
         log(
             INFO,
             "\t│\t└── Store: %s",
@@ -190,14 +205,14 @@ class HonestButCuriousStrategy(Strategy):
         if global_layer is None or self.layer is None:
             log(WARNING, "aggregate_train: round %s was not configured here; no attack", server_round)
         else:
-            for reply, identity in self._select(server_round, replies_list):
+            for members in self._select(server_round, replies_list):
                 try:
-                    record = self._audit_reply(server_round, reply, identity, global_layer)
+                    record = self._audit_members(server_round, members, global_layer)
                 except Exception as error:  # pylint: disable=broad-exception-caught
                     record = self._failed(
                         server_round,
-                        identity,
-                        {"node_id": identity.node_id, "partition_id": identity.partition_id},
+                        _unit_name(members),
+                        _identities(members),
                         f"audit failed: {type(error).__name__}: {error}",
                     )
                 self._keep(record)
@@ -228,11 +243,9 @@ class HonestButCuriousStrategy(Strategy):
 
     # ------------------------------------------------------------------- helpers
 
-    def _select(
-        self, server_round: int, replies: list[Message]
-    ) -> list[tuple[Message, ClientIdentity]]:
-        """The replies to attack in this round, with their senders."""
-        eligible: list[tuple[Message, ClientIdentity]] = []
+    def _select(self, server_round: int, replies: list[Message]) -> list[list[Member]]:
+        """The updates to attack in this round: single replies, or secure-aggregation groups."""
+        eligible: list[Member] = []
         for reply in replies:
             if reply.has_error() or not reply.has_content():
                 continue
@@ -241,68 +254,74 @@ class HonestButCuriousStrategy(Strategy):
                 continue
             eligible.append((reply, identity))
         eligible.sort(key=lambda item: (item[1].partition_id is None, item[1].partition_id or 0, item[1].node_id))
-        count = math.ceil(self.attack_fraction * len(eligible))
-        if count >= len(eligible):
-            return eligible
-        chosen = random.Random(f"{self.seed}-{server_round}").sample(range(len(eligible)), count)
-        return [eligible[index] for index in sorted(chosen)]
+        size = self.secagg_group_size
+        units = [eligible[start : start + size] for start in range(0, len(eligible), size)]
+        count = math.ceil(self.attack_fraction * len(units))
+        if count >= len(units):
+            return units
+        chosen = random.Random(f"{self.seed}-{server_round}").sample(range(len(units)), count)
+        return [units[index] for index in sorted(chosen)]
 
-    def _audit_reply(
+    def _audit_members(
         self,
         server_round: int,
-        reply: Message,
-        identity: ClientIdentity,
+        members: list[Member],
         global_layer: tuple[np.ndarray, np.ndarray],
     ) -> AttackRecord:
-        """Attack one reply, then score the reconstruction; never raises."""
-        details = self._details(reply, identity)
+        """Attack one reply (or the sum of a group's replies), then score it; never raises."""
+        name = _unit_name(members)
+        details = self._details(members)
         try:
-            update = layer_update(
-                self._reply_arrays(reply),
-                layer=self.layer,  # type: ignore[arg-type]
-                weight=global_layer[0],
-                bias=global_layer[1],
-            )
+            updates = [
+                layer_update(
+                    self._reply_arrays(reply),
+                    layer=self.layer,  # type: ignore[arg-type]
+                    weight=global_layer[0],
+                    bias=global_layer[1],
+                )
+                for reply, _ in members
+            ]
         except Exception as error:  # pylint: disable=broad-exception-caught
-            return self._failed(server_round, identity, details, f"unreadable update: {error}")
+            return self._failed(server_round, name, details, f"unreadable update: {error}")
+        update = updates[0]
+        if len(updates) > 1:
+            update = LayerUpdate(
+                weight_delta=np.sum([item.weight_delta for item in updates], axis=0),
+                bias_delta=np.sum([item.bias_delta for item in updates], axis=0),
+                weight=update.weight,
+                bias=update.bias,
+            )
 
         # The attacker sees the observed update and the global layer, nothing else.
         result = self.runner.run(
             update,
-            batch_size=self.batch_size,
+            batch_size=None if self.batch_size is None else self.batch_size * len(members),
             time_budget=self.time_budget,
             timeout=self.timeout,
         )
         if result.status != STATUS_OK:
-            log(
-                WARNING,
-                "Attack on %s in round %s: %s (%s)",
-                identity.name,
-                server_round,
-                result.status,
-                result.error,
-            )
+            log(WARNING, "Attack on %s in round %s: %s (%s)", name, server_round, result.status, result.error)
             if result.traceback:
                 details["traceback"] = result.traceback
             return AttackRecord(
                 server_round=server_round,
-                client=identity.name,
+                client=name,
                 status=result.status,
                 seconds=result.seconds,
                 error=result.error,
                 details=details,
             )
-        return self._scored_record(server_round, reply, identity, result, details)
+        return self._scored_record(server_round, members, result, details)
 
     def _scored_record(
         self,
         server_round: int,
-        reply: Message,
-        identity: ClientIdentity,
+        members: list[Member],
         result: AttackResult,
         details: dict[str, Any],
     ) -> AttackRecord:
         """Render and score a successful reconstruction against the ground truth."""
+        name = _unit_name(members)
         reconstruction = result.reconstruction
         inputs = np.asarray(_to_numpy(reconstruction.inputs), dtype=np.float64)
         attack_summary = reconstruction.summary() if hasattr(reconstruction, "summary") else {}
@@ -310,20 +329,22 @@ class HonestButCuriousStrategy(Strategy):
         error: str | None = None
         if self.scorer is not None:
             try:
-                indices = sample_indices(reply.content, self.audit_key)
-                scored = (
-                    self.scorer.render(inputs)
-                    if indices is None
-                    else self.scorer.score(inputs, indices)
-                )
+                per_member = [sample_indices(reply.content, self.audit_key) for reply, _ in members]
+                if any(indices is None for indices in per_member):
+                    scored = self.scorer.render(inputs)
+                else:
+                    union = [index for indices in per_member for index in indices]  # type: ignore[union-attr]
+                    scored = self.scorer.score(inputs, union)
+                    if len(members) > 1 and scored.psnr is not None:
+                        details["members"] = _member_quality(members, per_member, union, scored.psnr)  # type: ignore[arg-type]
             except Exception as failure:  # pylint: disable=broad-exception-caught
                 error = f"scoring failed: {type(failure).__name__}: {failure}"
-                log(WARNING, "Scoring %s in round %s: %s", identity.name, server_round, error)
+                log(WARNING, "Scoring %s in round %s: %s", name, server_round, error)
         if scored is not None and scored.psnr is not None:
             log(
                 INFO,
                 "Attack on %s in round %s: %d inputs, mean PSNR %.1f dB, %.0f%% exact (%.1fs)",
-                identity.name,
+                name,
                 server_round,
                 len(inputs),
                 scored.quality.get("mean_psnr", float("nan")),
@@ -334,7 +355,7 @@ class HonestButCuriousStrategy(Strategy):
             log(
                 INFO,
                 "Attack on %s in round %s: %d inputs recovered, complete=%s (%.1fs)",
-                identity.name,
+                name,
                 server_round,
                 len(inputs),
                 attack_summary.get("complete"),
@@ -342,7 +363,7 @@ class HonestButCuriousStrategy(Strategy):
             )
         return AttackRecord(
             server_round=server_round,
-            client=identity.name,
+            client=name,
             status=STATUS_OK,
             seconds=result.seconds,
             inputs=inputs,
@@ -361,22 +382,26 @@ class HonestButCuriousStrategy(Strategy):
             raise ValueError(f"expected exactly one ArrayRecord in the reply, found {len(records)}")
         return next(iter(records.values()))
 
-    def _details(self, reply: Message, identity: ClientIdentity) -> dict[str, Any]:
-        details: dict[str, Any] = {"node_id": identity.node_id, "partition_id": identity.partition_id}
-        record = audit_record(reply.content, self.audit_key)
-        if record is not None and TRAIN_MODE_KEY in record:
-            details["train_mode"] = record[TRAIN_MODE_KEY]
+    def _details(self, members: list[Member]) -> dict[str, Any]:
+        details = _identities(members)
+        modes = {
+            str(record[TRAIN_MODE_KEY])
+            for record in (audit_record(reply.content, self.audit_key) for reply, _ in members)
+            if record is not None and TRAIN_MODE_KEY in record
+        }
+        if len(modes) == 1:
+            details["train_mode"] = modes.pop()
         if self.layer is not None:
             details["layer"] = {"weight": self.layer.weight, "bias": self.layer.bias}
         return details
 
     def _failed(
-        self, server_round: int, identity: ClientIdentity, details: dict[str, Any], error: str
+        self, server_round: int, name: str, details: dict[str, Any], error: str
     ) -> AttackRecord:
-        log(WARNING, "Attack on %s in round %s: %s", identity.name, server_round, error)
+        log(WARNING, "Attack on %s in round %s: %s", name, server_round, error)
         return AttackRecord(
             server_round=server_round,
-            client=identity.name,
+            client=name,
             status=STATUS_ERROR,
             seconds=0.0,
             error=error,
@@ -398,6 +423,41 @@ class HonestButCuriousStrategy(Strategy):
                 record.server_round,
                 error,
             )
+
+
+def _unit_name(members: list[Member]) -> str:
+    """Store name of an attacked update: the client's, or ``secagg-<a>_<b>...`` for a sum."""
+    if len(members) == 1:
+        return members[0][1].name
+    return "secagg-" + "_".join(identity.name for _, identity in members)
+
+
+def _identities(members: list[Member]) -> dict[str, Any]:
+    if len(members) == 1:
+        identity = members[0][1]
+        return {"node_id": identity.node_id, "partition_id": identity.partition_id}
+    return {
+        "node_id": [identity.node_id for _, identity in members],
+        "partition_id": [identity.partition_id for _, identity in members],
+        "secagg_group_size": len(members),
+    }
+
+
+def _member_quality(
+    members: list[Member], per_member: list[list[int]], union: list[int], psnr: list[float]
+) -> dict[str, dict[str, Any]]:
+    """Per-client recovery inside a secure-aggregation sum (the union is scored once)."""
+    by_index = dict(zip(dict.fromkeys(union), psnr))
+    report: dict[str, dict[str, Any]] = {}
+    for (_, identity), indices in zip(members, per_member):
+        values = [by_index[index] for index in dict.fromkeys(indices)]
+        report[identity.name] = {
+            "samples": len(values),
+            "mean_psnr": float(np.mean(values)) if values else None,
+            "exact_fraction": float(np.mean([value > EXACT_PSNR_DB for value in values])) if values else None,
+            "approx_fraction": float(np.mean([value > APPROX_PSNR_DB for value in values])) if values else None,
+        }
+    return report
 
 
 def _to_numpy(values: Any) -> np.ndarray:

@@ -45,6 +45,11 @@ DEFAULT_RUN_CONFIG: dict[str, UserConfigValue] = {
     "max-grad-norm": 1.0,
     "poisson-sampling": True,
     "client-seed": 0,
+    # Utility: the global model scored on the dataset's test split after every round
+    "server-evaluation": True,
+    "test-limit": 0,
+    # Threat model: with secure aggregation the server sees sums of this many updates
+    "secagg-group-size": 1,
     # Audit
     "audit-ground-truth": True,
     "attack-enabled": True,
@@ -168,6 +173,7 @@ def _validate(config: Mapping[str, UserConfigValue]) -> None:
         "samples-per-client",
         "labels-per-client",
         "min-nodes",
+        "secagg-group-size",
     )
     for key in positive:
         if not config[key] > 0:  # type: ignore[operator]
@@ -178,7 +184,7 @@ def _validate(config: Mapping[str, UserConfigValue]) -> None:
     for key in ("fraction-train", "fraction-evaluate", "attack-fraction"):
         if not 0.0 <= config[key] <= 1.0:  # type: ignore[operator]
             raise ValueError(f"{key} must be in [0, 1], got {config[key]!r}")
-    for key in ("dataset-limit", "depth", "attack-batch-size", "noise-multiplier", "attack-timeout"):
+    for key in ("dataset-limit", "test-limit", "depth", "attack-batch-size", "noise-multiplier", "attack-timeout"):
         if config[key] < 0:  # type: ignore[operator]
             raise ValueError(f"{key} must be non-negative, got {config[key]!r}")
     if config["attack-isolation"] not in ISOLATIONS:

@@ -7,6 +7,7 @@ The ServerApp builds the victim model, the reconstruction store, the attacker an
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from logging import INFO
@@ -22,6 +23,7 @@ from fl_attack.store import ReconstructionStore
 
 from .audit import HonestButCuriousStrategy
 from .config import client_config, parse_partitions, resolve_run_config
+from .evaluation import make_test_evaluator
 from .ground_truth import ReconstructionScorer
 
 #: Extra seconds granted on top of 1.5 times the time budget before an attack is given up.
@@ -87,6 +89,7 @@ def build_strategy(
         timeout=attack_timeout(config),
         isolation=str(config["attack-isolation"]),
         seed=int(config["attack-seed"]),  # type: ignore[arg-type]
+        secagg_group_size=int(config["secagg-group-size"]),  # type: ignore[arg-type]
     )
 
 
@@ -130,6 +133,17 @@ def run_audit(
         seed=int(config["model-seed"]),  # type: ignore[arg-type]
     )
 
+    evaluate_fn = None
+    if config["server-evaluation"]:
+        test_limit = int(config["test-limit"])  # type: ignore[arg-type]
+        test = load_dataset(
+            str(config["dataset"]),
+            root=str(config["data-root"]) or None,
+            split="test",
+            limit=test_limit or None,
+        )
+        evaluate_fn = make_test_evaluator(copy.deepcopy(model), test.images, test.labels)
+
     store = build_store(config) if config["attack-enabled"] else None
     attacker = build_attacker(config) if config["attack-enabled"] else None
     scorer = ReconstructionScorer.from_image_data(data)
@@ -144,13 +158,43 @@ def run_audit(
             num_rounds=int(config["num-server-rounds"]),  # type: ignore[arg-type]
             train_config=client_config(config),
             evaluate_config=client_config(config),
+            evaluate_fn=evaluate_fn,
         )
     finally:
         if isinstance(strategy, HonestButCuriousStrategy):
             strategy.close()
+    if store is not None:
+        store.save_history(training_history(result))
     if isinstance(strategy, HonestButCuriousStrategy):
         _log_audit(strategy)
     return result, strategy
+
+
+def training_history(result: Result) -> dict[str, Any]:
+    """Per-round metrics of a finished run, as stored in ``history.json``.
+
+    ``train`` and ``evaluate`` are the clients' aggregated metrics, ``test`` the
+    centralized test-split metrics (round 0 is the initial model); ``final`` repeats the
+    last round's test metrics, the utility side of a privacy-utility trade-off.
+    """
+    sources = {
+        "train": result.train_metrics_clientapp,
+        "evaluate": result.evaluate_metrics_clientapp,
+        "test": result.evaluate_metrics_serverapp,
+    }
+    rounds = sorted({int(key) for source in sources.values() for key in source})
+    history = [
+        {
+            "round": server_round,
+            **{
+                name: dict(source[server_round]) if server_round in source else None
+                for name, source in sources.items()
+            },
+        }
+        for server_round in rounds
+    ]
+    tested = [entry for entry in history if entry["test"] is not None]
+    return {"rounds": history, "final_test": tested[-1]["test"] if tested else None}
 
 
 def _log_audit(strategy: HonestButCuriousStrategy) -> None:

@@ -379,6 +379,53 @@ def test_ground_truth_scoring_and_storage(tmp_path: Path) -> None:
     assert rows["partition-1"]["mean_psnr"] == ""
 
 
+def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
+    rng = np.random.default_rng(6)
+    dataset = rng.standard_normal((20, INPUT_DIM))
+    member_indices = {0: [1, 2], 1: [5, 6, 7], 2: [9]}
+    # The attacker recovers partition 0's samples exactly and nothing of partition 1's.
+    recovered = np.concatenate([dataset[[2, 1]], rng.standard_normal((3, INPUT_DIM))])
+    attacker = RecordingAttacker(inputs=recovered)
+    scorer = ReconstructionScorer(
+        dataset,
+        denormalize=lambda x: (torch.as_tensor(x) * 0.1 + 0.5).reshape(-1, 1, 3, 4),
+        image_shape=(1, 3, 4),
+    )
+    strategy = HonestButCuriousStrategy(
+        _fedavg(), attacker, scorer=scorer, secagg_group_size=2, batch_size=4
+    )
+    global_arrays = _global_arrays()
+    _configure(strategy, global_arrays)
+    clients = {partition: _client_arrays(global_arrays, partition) for partition in member_indices}
+    replies = [
+        _reply(11 * (partition + 1), clients[partition], partition_id=partition, indices=indices)
+        for partition, indices in reversed(member_indices.items())
+    ]
+
+    strategy.aggregate_train(1, replies)
+
+    # Groups follow partition order: {0, 1} summed, then {2} alone.
+    assert [record.client for record in strategy.records] == [
+        "secagg-partition-0_partition-1",
+        "partition-2",
+    ]
+    (args, kwargs), _ = attacker.calls
+    summed = sum(clients[p]["0.weight"].astype(np.float64) - global_arrays["0.weight"] for p in (0, 1))
+    np.testing.assert_allclose(args[0], summed, rtol=0, atol=1e-12)
+    assert kwargs["batch_size"] == 8
+    group = strategy.records[0]
+    assert group.details["partition_id"] == [0, 1]
+    members = group.details["members"]
+    assert members["partition-0"]["samples"] == 2 and members["partition-0"]["exact_fraction"] == 1.0
+    assert members["partition-1"]["samples"] == 3 and members["partition-1"]["exact_fraction"] == 0.0
+    assert group.quality["exact_fraction"] == pytest.approx(0.4)
+
+
+def test_secure_aggregation_group_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="secagg_group_size must be at least 1"):
+        HonestButCuriousStrategy(_fedavg(), RecordingAttacker(), secagg_group_size=0)
+
+
 def test_evaluation_is_delegated() -> None:
     inner = _fedavg()
     strategy = HonestButCuriousStrategy(inner, RecordingAttacker())

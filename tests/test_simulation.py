@@ -166,3 +166,11 @@ def test_simulation_recovers_fedsgd_batches_exactly(tmp_path: Path) -> None:
     assert stat.S_IMODE(output.stat().st_mode) == 0o700
     stored_config = json.loads((output / "run_config.json").read_text())
     assert stored_config["width"] == 100 and stored_config["dataset"] == "digits"
+    history = json.loads((output / "history.json").read_text())
+    assert [entry["round"] for entry in history["rounds"]] == [0, 1, 2]
+    assert history["rounds"][0]["train"] is None  # round 0: the initial model, tested only
+    for entry in history["rounds"]:
+        assert entry["test"]["test-examples"] == 359  # the digits test split
+        assert 0.0 <= entry["test"]["test-acc"] <= 1.0
+    assert history["rounds"][2]["train"]["train-loss"] > 0.0
+    assert history["final_test"] == history["rounds"][2]["test"]
