@@ -5,11 +5,13 @@ strategy, an offline experiment, or any other framework alike.
 """
 
 from fl_attack.attacks import GradientInversionAttack, Spear, SpearPlusPlus
+from fl_attack.baselines import InvertingGradients
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.sphere_search import SURROGATES, SphereSchedule
 
 __all__ = [
     "GradientInversionAttack",
+    "InvertingGradients",
     "Reconstruction",
     "SURROGATES",
     "Spear",
