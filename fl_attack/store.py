@@ -10,7 +10,9 @@ A :class:`ReconstructionStore` owns one directory per federated run::
             partition-0/
                 reconstruction.npy          recovered layer inputs, (b, n) float64
                 reconstruction.png          ground truth above reconstruction (matched)
-                metrics.json                quality, timing and error of the attack
+                metrics.json                quality, timing and error of the attack;
+                                            its ``grid`` entry locates every sample's
+                                            tiles in reconstruction.png (see grid_layout)
 
 Reconstructions are private client data: directories are created with mode ``0o700``
 and files with mode ``0o600``. Every file is written to a temporary file in its target
@@ -242,6 +244,59 @@ def make_private_directory(path: str | os.PathLike[str]) -> Path:
     return directory
 
 
+#: Upper bound of a per-tile PSNR (mirrors ``fl_attack.metrics.PSNR_CAP_DB``).
+_PSNR_CAP_DB = 300.0
+
+
+def grid_layout(
+    image_shape: Sequence[int],
+    *,
+    rows: int,
+    columns: int,
+    min_tile: int = 64,
+    padding: int = 2,
+) -> dict[str, int]:
+    """Pixel geometry of a picture drawn by :func:`image_grid`.
+
+    Tile ``(row, column)`` of the picture occupies the box
+    ``left = padding + column * (tile_width + padding)``,
+    ``top = padding + row * (tile_height + padding)``, of size
+    ``tile_width x tile_height``.
+
+    Parameters
+    ----------
+    image_shape : Sequence[int]
+        ``(C, H, W)`` or ``(H, W)`` of one image.
+    rows : int
+        Rows of tiles (2 with ground truth, else 1).
+    columns : int
+        Columns of tiles.
+    min_tile : int (default: 64)
+        As in :func:`image_grid`.
+    padding : int (default: 2)
+        As in :func:`image_grid`.
+
+    Returns
+    -------
+    dict[str, int]
+        ``rows``, ``columns``, ``tile_height``, ``tile_width``, ``padding``, ``scale``,
+        ``height`` and ``width`` (of the whole picture).
+    """
+    height, width = (int(size) for size in tuple(image_shape)[-2:])
+    scale = max(1, math.ceil(min_tile / max(height, width)))
+    tile_h, tile_w = height * scale, width * scale
+    return {
+        "rows": int(rows),
+        "columns": int(columns),
+        "tile_height": tile_h,
+        "tile_width": tile_w,
+        "padding": int(padding),
+        "scale": scale,
+        "height": rows * tile_h + (rows + 1) * padding,
+        "width": columns * tile_w + (columns + 1) * padding,
+    }
+
+
 def image_grid(
     reconstructed: np.ndarray,
     reference: np.ndarray | None = None,
@@ -276,18 +331,12 @@ def image_grid(
     height, width = rows[0].shape[2:]
     if any(images.shape[2:] != (height, width) for images in rows):
         raise ValueError("all images of a grid must share their height and width")
-    scale = max(1, math.ceil(min_tile / max(height, width)))
-    tile_h, tile_w = height * scale, width * scale
     columns = max(1, max(len(images) for images in rows))
-    canvas = np.full(
-        (
-            len(rows) * tile_h + (len(rows) + 1) * padding,
-            columns * tile_w + (columns + 1) * padding,
-            3,
-        ),
-        255,
-        dtype=np.uint8,
+    layout = grid_layout(
+        rows[0].shape, rows=len(rows), columns=columns, min_tile=min_tile, padding=padding
     )
+    scale, tile_h, tile_w = layout["scale"], layout["tile_height"], layout["tile_width"]
+    canvas = np.full((layout["height"], layout["width"], 3), 255, dtype=np.uint8)
     for row_index, images in enumerate(rows):
         for column, image in enumerate(images):
             rgb = np.repeat(image, 3, axis=0) if image.shape[0] == 1 else image
@@ -380,13 +429,16 @@ class ReconstructionStore:
         directory = make_private_directory(round_directory / record.client)
         if record.inputs is not None:
             atomic_write_npy(directory / INPUTS_FILE, np.asarray(record.inputs, dtype=np.float64))
+        document = record.metrics()
         if record.reconstructed_images is not None and len(record.reconstructed_images):
-            picture = image_grid(
-                np.asarray(record.reconstructed_images, dtype=np.float64),
-                None if record.reference_images is None else np.asarray(record.reference_images, dtype=np.float64),
+            reconstructed = np.asarray(record.reconstructed_images, dtype=np.float64)
+            reference = (
+                None if record.reference_images is None else np.asarray(record.reference_images, dtype=np.float64)
             )
+            picture = image_grid(reconstructed, reference)
             atomic_write_bytes(directory / GRID_FILE, encode_png(picture))
-        atomic_write_json(directory / METRICS_FILE, record.metrics())
+            document["grid"] = _grid_document(reconstructed, reference, record.psnr)
+        atomic_write_json(directory / METRICS_FILE, document)
 
         relative = str(directory.relative_to(self.directory))
         self._rows = [
@@ -414,6 +466,42 @@ class ReconstructionStore:
         writer.writeheader()
         writer.writerows(self._rows)
         handle.write(text.getvalue().encode("utf-8"))
+
+
+def _grid_document(
+    reconstructed: np.ndarray, reference: np.ndarray | None, psnr: Sequence[float] | None
+) -> dict[str, Any]:
+    """Where each sample lies in ``reconstruction.png``, and its PSNR per column.
+
+    ``column_psnr[i]`` scores column ``i`` (ground truth above its matched
+    reconstruction). When every ground-truth sample has a column, these are the scores
+    in ``psnr`` (``column_psnr_source = "scores"``); otherwise (some samples were not
+    matched) they are recomputed from the drawn images (``"images"``).
+    """
+    rows = 1 if reference is None else 2
+    columns = max(len(reconstructed), 0 if reference is None else len(reference))
+    document: dict[str, Any] = {
+        "file": GRID_FILE,
+        "row_names": ["reconstruction"] if reference is None else ["reference", "reconstruction"],
+        "image_shape": [int(size) for size in reconstructed.shape[1:]],
+        **grid_layout(reconstructed.shape, rows=rows, columns=columns),
+        "column_psnr": None,
+        "column_psnr_source": None,
+    }
+    if reference is None:
+        return document
+    paired = min(len(reference), len(reconstructed))
+    if psnr is not None and len(psnr) == paired == len(reference):
+        document["column_psnr"] = [float(value) for value in psnr]
+        document["column_psnr_source"] = "scores"
+    else:
+        difference = np.clip(reconstructed[:paired], 0.0, 1.0) - np.clip(reference[:paired], 0.0, 1.0)
+        mse = np.mean(np.square(difference).reshape(paired, -1), axis=1)
+        with np.errstate(divide="ignore"):
+            values = np.minimum(-10.0 * np.log10(mse), _PSNR_CAP_DB)
+        document["column_psnr"] = [float(value) for value in values]
+        document["column_psnr_source"] = "images"
+    return document
 
 
 def load_table(path: str | os.PathLike[str]) -> list[dict[str, str]]:

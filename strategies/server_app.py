@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -165,9 +165,23 @@ def run_audit(
             strategy.close()
     if store is not None:
         store.save_history(training_history(result))
+        _write_report(store)
     if isinstance(strategy, HonestButCuriousStrategy):
         _log_audit(strategy)
     return result, strategy
+
+
+def _write_report(store: ReconstructionStore) -> Path | None:
+    """Write ``<run>/report.html``; a failure is logged and never ends the run."""
+    try:
+        from fl_attack.report import write_report  # pylint: disable=import-outside-toplevel
+
+        path = write_report(store.directory)
+    except Exception as error:  # pylint: disable=broad-exception-caught
+        log(WARNING, "Could not write the audit report: %s: %s", type(error).__name__, error)
+        return None
+    log(INFO, "Audit report: %s", path)
+    return path
 
 
 def training_history(result: Result) -> dict[str, Any]:
