@@ -37,6 +37,7 @@ Run ``python -m experiments.defended_updates --quick`` for a ~2-3 minute check.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import sys
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -73,10 +75,12 @@ from experiments.common import (
     summarize,
 )
 from fl_attack.datasets import ImageData
+from fl_attack.metrics import evaluate_reconstruction
 from fl_attack.victims import (
     client_gradient,
     dp_sgd_gradient,
     fedavg_update,
+    first_linear,
     median_abs_entry,
     noisy_gradient,
 )
@@ -495,12 +499,56 @@ SETTING_BUILDERS: dict[str, Callable[[Config], list[Setting]]] = {
 # --------------------------------------------------------------------------- updates
 
 
-def _noisy_fedsgd(trial: Trial, factor: float) -> tuple[Update, dict[str, float]]:
+def _noisy_fedsgd(
+    trial: Trial, factor: float, data: ImageData, threshold_db: float
+) -> tuple[Update, dict[str, float]]:
     weight_grad, bias_grad = client_gradient(trial.model, trial.inputs, trial.labels)
     median = median_abs_entry(weight_grad)
     sigma = factor * median
     noisy_w, noisy_b = noisy_gradient(weight_grad, bias_grad, sigma=sigma, seed=trial.seed)
-    return layer_update(trial.model, noisy_w, noisy_b), {"median_abs": median, "sigma": sigma}
+    oracle = oracle_quality(trial, noisy_w, data, threshold_db=threshold_db)
+    return layer_update(trial.model, noisy_w, noisy_b), {"median_abs": median, "sigma": sigma, **oracle}
+
+
+def output_gradients(trial: Trial) -> torch.Tensor:
+    """The true ``dL/dZ`` ``(b, m)`` of the trial's batch at the first layer (float64)."""
+    model = copy.deepcopy(trial.model).double()
+    _, layer = first_linear(model)
+    captured: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.retain_grad()
+        captured.append(output)
+
+    handle = layer.register_forward_hook(keep)
+    try:
+        with torch.enable_grad():
+            logits = model(trial.inputs.double())
+            nn.functional.cross_entropy(logits, trial.labels).backward()
+    finally:
+        handle.remove()
+    return captured[0].grad.detach()
+
+
+def oracle_quality(
+    trial: Trial, weight_grad: torch.Tensor, data: ImageData, *, threshold_db: float
+) -> dict[str, float]:
+    """Quality of the best linear recovery from a noisy gradient when ``dL/dZ`` is known.
+
+    With the true disaggregation ``D = dL/dZ`` the least-squares inputs
+    ``(D D^T)^{-1} D G`` are the maximum-likelihood estimate under Gaussian noise on
+    ``G``: no attack that must also estimate ``D`` from ``G`` can expect to do better, so
+    this is the ceiling against which an attack's PSNR under noise should be read.
+    """
+    d = output_gradients(trial)
+    inputs = torch.linalg.solve(d @ d.T, d @ weight_grad.double())
+    quality = evaluate_reconstruction(
+        inputs, trial.reference, denormalize=data.denormalize, image_shape=data.image_shape
+    )
+    return {
+        "oracle_mean_psnr": float(quality.mean_psnr),
+        "oracle_success": float(quality.mean_psnr > threshold_db),
+    }
 
 
 def _dp_sgd(trial: Trial, clip_norm: float, factor: float) -> tuple[Update, dict[str, float]]:
@@ -558,11 +606,11 @@ def _secure_aggregate(
     return layer_update(trial.model, weight_sum, bias_sum), {}
 
 
-def build_update(setting: Setting, trial: Trial) -> tuple[Update, dict[str, float]]:
+def build_update(setting: Setting, trial: Trial, data: ImageData) -> tuple[Update, dict[str, float]]:
     """The defended update of ``setting`` on ``trial``'s batch, with facts about it."""
     p = setting.params
     if setting.section == "dp":
-        return _noisy_fedsgd(trial, p["noise_factor"])
+        return _noisy_fedsgd(trial, p["noise_factor"], data, setting.threshold_db)
     if setting.section == "dpsgd":
         return _dp_sgd(trial, p["clip_norm"], p["noise_factor"])
     if setting.section in ("fedavg", "fedavg-grid", "lr-grid"):
@@ -590,7 +638,7 @@ def client_fractions(
 
 CSV_FIELDS = [
     "section", "b", "m", "trial", "seed", "noise_factor", "sigma", "median_abs", "clip_norm",
-    "noise_multiplier", "epochs", "mini_batch_size", "lr", "local_steps", "clients",
+    "noise_multiplier", "oracle_mean_psnr", "oracle_success", "epochs", "mini_batch_size", "lr", "local_steps", "clients",
     "client_batch", "client_fractions", "method", "ok", "mean_psnr", "min_psnr", "exact_fraction",
     "approx_fraction", "seconds", "found", "batch_size", "complete", "sparsity_matching", "error",
 ]  # fmt: skip
@@ -600,7 +648,7 @@ def _attack_one(
     setting: Setting, trial: Trial, data: ImageData, config: Config
 ) -> tuple[Outcome, dict[str, float]]:
     try:
-        update, facts = build_update(setting, trial)
+        update, facts = build_update(setting, trial, data)
     except Exception as exc:  # a defence that cannot be computed is a failed batch too
         return (
             Outcome(
@@ -677,10 +725,13 @@ def summarize_result(result: Result) -> dict[str, Any]:
         **setting.params,
         **summarize(result.outcomes, threshold_db=setting.threshold_db),
     }
-    for key in ("sigma", "median_abs", "noise_multiplier", "local_steps"):
+    for key in ("sigma", "median_abs", "noise_multiplier", "local_steps", "oracle_mean_psnr"):
         values = [f[key] for f in result.facts if key in f]
         if values:
             row[f"mean_{key}"] = statistics.fmean(values)
+    oracle = [f["oracle_success"] for f in result.facts if "oracle_success" in f]
+    if oracle:
+        row["oracle_accuracy"] = 100.0 * statistics.fmean(oracle)
     if result.client_fractions:
         flat = [f for fractions in result.client_fractions for f in fractions]
         row["mean_client_fraction"] = 100.0 * statistics.fmean(flat)
@@ -698,7 +749,12 @@ def summarize_result(result: Result) -> dict[str, Any]:
 
 
 _SECTION_COLUMNS: dict[str, list[tuple[str, str]]] = {
-    "dp": [("noise_factor", "σ / median abs g"), ("mean_sigma", "mean σ")],
+    "dp": [
+        ("noise_factor", "σ / median abs g"),
+        ("mean_sigma", "mean σ"),
+        ("oracle_accuracy", "oracle acc %"),
+        ("mean_oracle_mean_psnr", "oracle PSNR"),
+    ],
     "fedavg": [
         ("epochs", "epochs"),
         ("mini_batch_size", "mini-batch"),
