@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,14 +20,18 @@ from torch.func import functional_call, grad, vmap
 __all__ = [
     "LOSSES",
     "VICTIMS",
+    "LayerGradient",
     "build_victim",
     "client_gradient",
     "dp_sgd_gradient",
     "fedavg_update",
     "fedsgd_update",
     "first_linear",
+    "layer_gradient",
+    "linear_layers",
     "median_abs_entry",
     "noisy_gradient",
+    "relu_linear_layers",
     "spear_mlp",
     "spear_plus_plus_mlp",
 ]
@@ -451,3 +456,183 @@ def noisy_gradient(
         bias_grad.shape, generator=generator, dtype=bias_grad.dtype, device=bias_grad.device
     )
     return weight_grad + sigma * weight_noise, bias_grad + sigma * bias_noise
+
+
+# --------------------------------------------------------------------------- deeper layers
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Every ``nn.Linear`` of ``model`` in registration (forward) order.
+
+    Returns
+    -------
+    list[tuple[str, nn.Linear]]
+        ``(qualified name, module)`` pairs; layer ``l`` of :func:`layer_gradient` is entry
+        ``l - 1``.
+    """
+    return [
+        (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    ]
+
+
+def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, module)
+        for name, module in model.named_modules(remove_duplicate=False)
+        if not any(True for _ in module.children())
+    ]
+
+
+def _followed_by_relu(model: nn.Module, layer: nn.Linear) -> bool:
+    leaves = _leaf_modules(model)
+    for position, (_, module) in enumerate(leaves):
+        if module is layer:
+            return position + 1 < len(leaves) and isinstance(leaves[position + 1][1], nn.ReLU)
+    return False
+
+
+def relu_linear_layers(model: nn.Module) -> list[tuple[int, str, nn.Linear]]:
+    """The linear layers whose output goes straight into a ReLU: the layers SPEAR can attack.
+
+    A layer counts as followed by a ReLU when the next leaf module registered after it is an
+    ``nn.ReLU``, which is how :func:`build_victim` (and any ``nn.Sequential`` MLP) is laid
+    out. Layers without a bias are left out: the attack needs the bias gradient.
+
+    Parameters
+    ----------
+    model
+        The victim network.
+
+    Returns
+    -------
+    list[tuple[int, str, nn.Linear]]
+        ``(l, qualified name, module)`` with ``l`` the 1-based index among *all* linear
+        layers, as :func:`layer_gradient` takes it. For the 6-layer SPEAR victim these are
+        ``l = 1..5``; the output layer 6 is not followed by a ReLU.
+    """
+    return [
+        (index, name, module)
+        for index, (name, module) in enumerate(linear_layers(model), start=1)
+        if module.bias is not None and _followed_by_relu(model, module)
+    ]
+
+
+@dataclass(frozen=True)
+class LayerGradient:
+    """What the server observes of one linear layer, and the ground truth it hides.
+
+    Attributes
+    ----------
+    layer
+        1-based index of the layer among the model's linear layers.
+    name
+        Its qualified module name (the ``state_dict`` prefix).
+    weight_grad, bias_grad
+        ``(m, n)`` and ``(m,)`` float32 gradients of the mean batch loss (detached).
+    weight, bias
+        ``(m, n)`` and ``(m,)`` copies of the layer's parameters at which they were taken.
+    inputs
+        ``(B, n)`` float32 true inputs of the layer for the batch (the previous layer's
+        ReLU activations for ``layer >= 2``, the flattened client inputs for ``layer = 1``):
+        what an exact attack on this layer recovers, rows in batch order.
+    """
+
+    layer: int
+    name: str
+    weight_grad: torch.Tensor
+    bias_grad: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    inputs: torch.Tensor
+
+
+def layer_gradient(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    layer: int,
+    loss: str = "ce",
+) -> LayerGradient:
+    """Gradient of the client's mean batch loss w.r.t. the ``layer``-th linear layer.
+
+    SPEAR Sec. 3.2 / Table 4: any linear layer followed by a ReLU leaks its own inputs the
+    way the first layer leaks the client's data, so the attack on layer ``l`` recovers the
+    activations that feed it.
+
+    Parameters
+    ----------
+    model
+        The victim network (float32); its parameters and ``.grad`` are left untouched.
+    inputs
+        ``(B, C, H, W)`` or ``(B, n)`` client inputs, cast to the model's dtype.
+    labels
+        ``(B,)`` integer class labels.
+    layer
+        1-based index among the model's linear layers (``1`` is the first layer, as in
+        :func:`client_gradient`); it must be followed by a ReLU and have a bias.
+    loss
+        Name in :data:`LOSSES`.
+
+    Returns
+    -------
+    LayerGradient
+        The layer's gradient and parameters, and its true inputs for the batch.
+
+    Raises
+    ------
+    ValueError
+        When ``layer`` is not an integer in ``1..L`` (L linear layers), when that layer has
+        no bias or is not followed by a ReLU (e.g. the output layer), when the layer does
+        not see one 2-D row per sample, or on a malformed batch.
+    """
+    layers = linear_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layer")
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= len(layers):
+        raise ValueError(
+            f"layer must be an integer between 1 and {len(layers)} (the model has "
+            f"{len(layers)} linear layers, numbered from 1), got {layer!r}"
+        )
+    name, module = layers[layer - 1]
+    attackable = [index for index, _, _ in relu_linear_layers(model)]
+    if module.bias is None:
+        raise ValueError(
+            f"linear layer {layer} ({name!r}) has no bias; the attack needs the bias gradient. "
+            f"Attackable layers: {attackable}"
+        )
+    if not _followed_by_relu(model, module):
+        raise ValueError(
+            f"linear layer {layer} ({name!r}) is not followed by a ReLU"
+            + (" (it is the output layer)" if layer == len(layers) else "")
+            + f"; SPEAR needs a ReLU after the attacked layer. Attackable layers: {attackable}"
+        )
+    loss_fn = _loss_fn(loss)
+    x, y = _check_batch(model, inputs, labels)
+    seen: list[torch.Tensor] = []
+
+    def capture(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen.append(args[0].detach())
+
+    handle = module.register_forward_pre_hook(capture)
+    try:
+        with torch.enable_grad():
+            value = loss_fn(model(x), y)
+            weight_grad, bias_grad = torch.autograd.grad(value, (module.weight, module.bias))
+    finally:
+        handle.remove()
+    if len(seen) != 1 or seen[0].dim() != 2 or seen[0].shape[0] != x.shape[0]:
+        shapes = [tuple(t.shape) for t in seen]
+        raise ValueError(
+            f"linear layer {layer} ({name!r}) must be called once on a (B, n) batch with "
+            f"B={x.shape[0]}, but saw inputs of shapes {shapes}"
+        )
+    return LayerGradient(
+        layer=layer,
+        name=name,
+        weight_grad=weight_grad.detach(),
+        bias_grad=bias_grad.detach(),
+        weight=module.weight.detach().clone(),
+        bias=module.bias.detach().clone(),
+        inputs=seen[0].clone(),
+    )
