@@ -37,12 +37,14 @@ from torch import nn
 from fl_attack import Spear, SpearPlusPlus
 from fl_attack.attacks import GradientInversionAttack
 from fl_attack.datasets import ImageData, load_dataset, sample_batch
+from fl_attack.reconstruction import Reconstruction
 from fl_attack.metrics import evaluate_reconstruction
 from fl_attack.victims import build_victim, client_gradient, first_linear
 
 __all__ = [
     "METHODS",
     "RESULTS_DIR",
+    "AttackRun",
     "AttackTimeout",
     "Cell",
     "MethodSpec",
@@ -52,6 +54,7 @@ __all__ = [
     "Trial",
     "Update",
     "attack_update",
+    "run_attack",
     "configure_runtime",
     "environment",
     "fedsgd_update_of",
@@ -391,6 +394,46 @@ def _round(value: float, digits: int = 4) -> float:
     return value if math.isnan(value) else round(float(value), digits)
 
 
+@dataclass(frozen=True)
+class AttackRun:
+    """One attack call: the reconstruction (None when it raised) and its wall-clock time."""
+
+    reconstruction: Reconstruction | None
+    seconds: float
+    error: str = ""
+
+
+def run_attack(
+    method: str,
+    update: Update,
+    *,
+    seed: int,
+    time_budget: float,
+    hard_limit: float | None,
+    batch_size: int | None,
+) -> AttackRun:
+    """Run one method of :data:`METHODS` on one update; never raises for a failing attack.
+
+    An exception or an overrun of ``hard_limit`` (seconds, None for none) is returned as
+    ``error``; callers score the reconstruction their own way (PSNR, LPIPS, MAE, ...).
+    """
+    start = time.perf_counter()
+    try:
+        attack = make_attack(method, seed=seed, time_budget=time_budget)
+        with hard_time_limit(hard_limit):
+            rec = attack.invert(
+                update.weight_grad,
+                update.bias_grad,
+                weight=update.weight,
+                bias=update.bias,
+                batch_size=batch_size,
+            )
+    except Exception as exc:  # a failed attack is a data point
+        message = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        return AttackRun(None, time.perf_counter() - start, message[:_ERROR_CHARS])
+    return AttackRun(rec, time.perf_counter() - start)
+
+
 def attack_update(
     method: str,
     update: Update,
@@ -431,33 +474,19 @@ def attack_update(
         Never raises for a failing attack: the exception text goes to ``Outcome.error``.
     """
     true_b = int(reference.shape[0])
-    start = time.perf_counter()
-    try:
-        attack = make_attack(method, seed=seed, time_budget=time_budget)
-        with hard_time_limit(hard_limit):
-            rec = attack.invert(
-                update.weight_grad,
-                update.bias_grad,
-                weight=update.weight,
-                bias=update.bias,
-                batch_size=batch_size,
-            )
-    except Exception as exc:  # a failed attack is a data point
-        message = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-        return Outcome(
-            method=method,
-            batch_size=true_b,
-            seconds=time.perf_counter() - start,
-            error=message[:_ERROR_CHARS],
-        )
-    seconds = time.perf_counter() - start
+    run = run_attack(
+        method, update, seed=seed, time_budget=time_budget, hard_limit=hard_limit, batch_size=batch_size
+    )
+    rec = run.reconstruction
+    if rec is None:
+        return Outcome(method=method, batch_size=true_b, seconds=run.seconds, error=run.error)
     quality = evaluate_reconstruction(
         rec.inputs, reference, denormalize=data.denormalize, image_shape=data.image_shape
     )
     return Outcome(
         method=method,
         batch_size=true_b,
-        seconds=seconds,
+        seconds=run.seconds,
         mean_psnr=quality.mean_psnr,
         min_psnr=float(quality.psnr.min()),
         exact_fraction=quality.exact_fraction,

@@ -34,7 +34,6 @@ import dataclasses
 import math
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,24 +53,22 @@ from experiments.common import (
     fedsgd_update_of,
     format_accuracy,
     format_number,
-    hard_time_limit,
+    AttackRun,
     log_progress,
-    make_attack,
     make_trial,
     markdown_table,
     parse_ints,
     parse_names,
+    run_attack,
     summarize,
 )
 from fl_attack.datasets import ImageData, load_dataset
 from fl_attack.metrics import evaluate_reconstruction, lpips_available
-from fl_attack.reconstruction import Reconstruction
 from fl_attack.victims import layer_gradient
 
 EXACT_DB = 90.0
 """A batch (Table 3) or an input (Table 4) is exact when its PSNR exceeds 90 dB."""
 
-_ERROR_CHARS = 300
 
 # --------------------------------------------------------------------------- paper numbers
 
@@ -118,47 +115,6 @@ PAPER_TABLE4: dict[int, PaperDepthRow] = {
 initialization; at l = 5, 17 batches timed out. The paper has no row for l = 6."""
 
 # --------------------------------------------------------------------------- running attacks
-
-
-@dataclass(frozen=True)
-class AttackRun:
-    """One attack call: the reconstruction (None when it raised) and its wall-clock time."""
-
-    reconstruction: Reconstruction | None
-    seconds: float
-    error: str = ""
-
-
-def run_attack(
-    method: str,
-    update: Update,
-    *,
-    seed: int,
-    time_budget: float,
-    hard_limit: float | None,
-    batch_size: int | None,
-) -> AttackRun:
-    """Run one method of :data:`experiments.common.METHODS` on one update.
-
-    Like :func:`experiments.common.attack_update`, but returns the reconstruction itself so
-    that each table scores it its own way (LPIPS on images, MAE on layer inputs). An
-    exception or an overrun of ``hard_limit`` is returned as ``error``, never raised.
-    """
-    start = time.perf_counter()
-    try:
-        attack = make_attack(method, seed=seed, time_budget=time_budget)
-        with hard_time_limit(hard_limit):
-            rec = attack.invert(
-                update.weight_grad,
-                update.bias_grad,
-                weight=update.weight,
-                bias=update.bias,
-                batch_size=batch_size,
-            )
-    except Exception as exc:  # a failed attack is a data point
-        message = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-        return AttackRun(None, time.perf_counter() - start, message[:_ERROR_CHARS])
-    return AttackRun(rec, time.perf_counter() - start)
 
 
 def _failed(method: str, batch_size: int, run: AttackRun) -> Outcome:
