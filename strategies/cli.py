@@ -3,6 +3,8 @@
 The same ServerApp and ClientApp as ``flwr run .``, started with
 ``flwr.simulation.run_simulation`` so that one command installs nothing at run time, leaves
 no SuperLink behind, and exits non-zero when the audit did not produce its results.
+:func:`run_audit_simulation` is that simulation as a function, shared with the
+defense sweep (``python -m experiments.defense_sweep``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ import shlex
 import sys
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from flwr.app import UserConfigValue
+
+
+class AuditSimulationError(RuntimeError):
+    """The simulation ended without writing the run's results table (``attacks.csv``)."""
 
 
 def parse_overrides(text: str) -> dict[str, UserConfigValue]:
@@ -33,6 +39,72 @@ def parse_overrides(text: str) -> dict[str, UserConfigValue]:
     return overrides
 
 
+def run_audit_simulation(
+    overrides: Mapping[str, UserConfigValue],
+    *,
+    num_supernodes: int = 3,
+    cpus: int = 2,
+) -> Path:
+    """Run the audited federation in-process and return its run directory.
+
+    Parameters
+    ----------
+    overrides : Mapping[str, UserConfigValue]
+        Run-config values on top of :data:`strategies.config.DEFAULT_RUN_CONFIG`.
+        ``min-nodes`` defaults to ``min(num_supernodes, 2)`` and ``output-dir`` to
+        ``outputs/audit-<timestamp>``; the directory is made absolute.
+    num_supernodes : int (default: 3)
+        Simulated clients (partitions ``0 .. num_supernodes - 1``).
+    cpus : int (default: 2)
+        CPUs Ray may use; every client takes one, so at most ``cpus`` train at once.
+
+    Returns
+    -------
+    Path
+        The run directory, holding ``attacks.csv``, ``history.json`` and the
+        reconstructions (see :mod:`fl_attack.store`).
+
+    Raises
+    ------
+    ValueError
+        On an invalid run config or resource count, before the simulation starts.
+    AuditSimulationError
+        When the simulation ended without writing ``attacks.csv``.
+    Exception
+        Whatever the ServerApp raised (Flower re-raises it).
+    """
+    from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
+
+    from clients.client_app import app as client_app  # pylint: disable=import-outside-toplevel
+    from fl_attack.store import TABLE_FILE  # pylint: disable=import-outside-toplevel
+    from strategies.config import resolve_run_config  # pylint: disable=import-outside-toplevel
+    from strategies.server_app import create_server_app  # pylint: disable=import-outside-toplevel
+
+    if num_supernodes < 1:
+        raise ValueError(f"num_supernodes must be positive, got {num_supernodes}")
+    if cpus < 1:
+        raise ValueError(f"cpus must be positive, got {cpus}")
+    settings: dict[str, UserConfigValue] = dict(overrides)
+    settings.setdefault("min-nodes", min(num_supernodes, 2))
+    if not settings.get("output-dir"):
+        settings["output-dir"] = str(Path("outputs") / time.strftime("audit-%Y%m%d-%H%M%S"))
+    output = Path(str(settings["output-dir"])).resolve()
+    settings["output-dir"] = str(output)
+    resolve_run_config({}, settings)  # fail here, not inside the ServerApp thread
+    run_simulation(
+        server_app=create_server_app(settings),
+        client_app=client_app,
+        num_supernodes=num_supernodes,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": cpus, "num_gpus": 0},
+        },
+    )
+    if not (output / TABLE_FILE).exists():
+        raise AuditSimulationError(f"the run wrote no results table at {output / TABLE_FILE}")
+    return output
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit; print where its results are; return the process exit code."""
     parser = argparse.ArgumentParser(
@@ -45,32 +117,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cpus", type=int, default=2, help="CPUs Ray may use (default 2; 1 per client)")
     args = parser.parse_args(argv)
 
-    from flwr.simulation import run_simulation
+    from fl_attack.store import TABLE_FILE, load_table  # pylint: disable=import-outside-toplevel
 
-    from clients.client_app import app as client_app
-    from fl_attack.store import load_table
-    from strategies.server_app import create_server_app
-
-    overrides = parse_overrides(args.run_config)
-    overrides.setdefault("min-nodes", min(args.num_supernodes, 2))
-    if not overrides.get("output-dir"):
-        overrides["output-dir"] = str(Path("outputs") / time.strftime("audit-%Y%m%d-%H%M%S"))
-    output = Path(str(overrides["output-dir"])).resolve()
-    overrides["output-dir"] = str(output)
-    run_simulation(
-        server_app=create_server_app(overrides),
-        client_app=client_app,
-        num_supernodes=args.num_supernodes,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": args.cpus, "num_gpus": 0},
-        },
-    )
-    table = output / "attacks.csv"
-    if not table.exists():
-        print(f"fl-attack-audit: the run wrote no results table at {table}", file=sys.stderr)
+    try:
+        output = run_audit_simulation(
+            parse_overrides(args.run_config), num_supernodes=args.num_supernodes, cpus=args.cpus
+        )
+    except (ValueError, AuditSimulationError) as error:
+        print(f"fl-attack-audit: {error}", file=sys.stderr)
         return 1
-    rows = load_table(table)
+    rows = load_table(output / TABLE_FILE)
     exact = sum(1 for row in rows if row.get("min_psnr") and float(row["min_psnr"]) > 90.0)
     print(f"\nAudit results: {output}")
     print(f"  {len(rows)} client updates attacked, {exact} recovered exactly (every sample > 90 dB)")
@@ -78,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  round {row['round']} {row['client']}: status={row['status']} "
               f"mean PSNR={row.get('mean_psnr', '')} complete={row.get('complete', '')} "
               f"seconds={row.get('seconds', '')}")
+    report = output / "report.html"
+    if report.exists():
+        print(f"  report: {report}")
     return 0
 
 
