@@ -333,7 +333,9 @@ class GradientInversionAttack(ABC):
             weak, weak_counts = pool.weak()
             directions = torch.cat([directions, weak], dim=0)
             counts = torch.cat([counts, weak_counts - state.factors.left.shape[0]], dim=0)
-        return select(scorer, directions, counts, deadline=state.deadline)
+        # clean gradients: a direction matching at the acceptance level is not swapped out
+        good_enough = 1.0 if state.noisy else self.accept_matching
+        return select(scorer, directions, counts, deadline=state.deadline, good_enough=good_enough)
 
     def _last_direction_proposals(self, state: _SearchState, scorer: SparsityMatchingScorer,
                                   selection: Selection) -> torch.Tensor:

@@ -129,6 +129,7 @@ def select(
     *,
     max_swap_rounds: int = 50,
     deadline: float = math.inf,
+    good_enough: float = 1.0,
 ) -> Selection:
     """Two-stage greedy selection of b directions from ``candidates`` (rows).
 
@@ -144,6 +145,10 @@ def select(
         Upper bound on improving swaps (each round tries every swap of the worst columns).
     deadline
         ``time.perf_counter()`` value after which no further swap is tried.
+    good_enough
+        Per-sample matching at which a chosen direction is not swapped any more; swaps stop
+        when every direction reaches it. On large layers a swap round costs seconds, so
+        directions that already match (e.g. >= 0.99) must not be traded for marginal gains.
     """
     b = scorer.factors.batch_size
     chosen = sparsest_independent(candidates, zero_counts, b) if candidates.shape[0] else []
@@ -163,9 +168,9 @@ def select(
     unused = sorted((i for i in range(candidates.shape[0]) if i not in chosen_set),
                     key=lambda i: -int(zero_counts[i]))
     for _ in range(max_swap_rounds):
-        if not unused or bool((per_sample >= 1.0).all()) or time.perf_counter() > deadline:
+        if not unused or bool((per_sample >= good_enough).all()) or time.perf_counter() > deadline:
             break
-        improved = _best_swap(scorer, directions, per_sample, candidates, unused, deadline)
+        improved = _best_swap(scorer, directions, per_sample, candidates, unused, deadline, good_enough)
         if improved is None:
             break
         position, pool_index, new_scores = improved
@@ -186,6 +191,7 @@ def _best_swap(
     candidates: torch.Tensor,
     unused: list[int],
     deadline: float,
+    good_enough: float = 1.0,
 ) -> tuple[int, int, torch.Tensor] | None:
     """The swap (chosen position, unused candidate) that raises total matching the most."""
     current = float(per_sample.sum())
@@ -199,7 +205,7 @@ def _best_swap(
     best: tuple[float, int, int, torch.Tensor] | None = None
     # try the worst-matching positions first; each is one batched evaluation over the pool
     for position in positions:
-        if per_sample[position] >= 1.0 or time.perf_counter() > deadline:
+        if per_sample[position] >= good_enough or time.perf_counter() > deadline:
             break
         trial = directions.expand(pool.shape[0], -1, -1).clone()
         trial[:, position] = pool
