@@ -69,6 +69,7 @@ class CandidatePool:
         if proposals.shape[0] == 0:
             return 0
         proposals = normalize_columns(refine_on_zeros(self.factors, proposals, self.tolerance))
+        proposals = proposals[torch.isfinite(proposals).all(dim=1) & (proposals.norm(dim=1) > 0.5)]
         counts = zero_masks(self.factors, proposals, self.tolerance).sum(dim=1)
         keep = counts >= self.min_zeros
         self.rejected_sparsity += int((~keep).sum())

@@ -79,15 +79,20 @@ class SparsityMatchingScorer:
         Singular sets score ``-1`` everywhere.
         """
         unit = directions / directions.norm(dim=-1, keepdim=True)
+        # a zero or non-finite direction makes its set invalid; LAPACK must never see NaN/Inf
+        eye = torch.eye(unit.shape[-1], dtype=unit.dtype, device=unit.device)
+        valid = torch.isfinite(unit).all(dim=-1).all(dim=-1)
+        unit = torch.where(valid[..., None, None], unit, eye)
         scales = self.scales(unit)
         q = unit.transpose(-1, -2) * scales.unsqueeze(-2)  # columns q_i * s_i
-        q_inv, info = torch.linalg.inv_ex(q)
+        finite = valid & torch.isfinite(q).all(dim=-1).all(dim=-1)
+        q_inv, info = torch.linalg.inv_ex(torch.where(finite[..., None, None], q, eye))
         columns = self.factors.left @ unit.transpose(-1, -2)  # unit gradient columns (..., m, b)
         is_zero = columns.abs() <= self.tolerance.absolute
         pre_activation = self.pre_activation_basis @ q_inv.transpose(-1, -2) + self.update.bias[:, None]
         agree = (pre_activation <= 0) == is_zero
         per_sample = agree.to(directions.dtype).mean(dim=-2)
-        bad = (info != 0) | ~torch.isfinite(scales).all(dim=-1) | (scales == 0).any(dim=-1)
+        bad = (info != 0) | ~finite | ~torch.isfinite(scales).all(dim=-1) | (scales == 0).any(dim=-1)
         per_sample = torch.where(bad.unsqueeze(-1), torch.full_like(per_sample, -1.0), per_sample)
         return per_sample, q_inv
 

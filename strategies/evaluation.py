@@ -16,6 +16,8 @@ from torch import nn
 from clients.training import evaluate_model
 from flwr.app import ArrayRecord, MetricRecord
 
+from .layer import canonical_key
+
 #: Samples scored per forward pass, so large test splits fit in memory.
 EVALUATION_CHUNK = 2048
 
@@ -44,7 +46,9 @@ def make_test_evaluator(
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         del server_round
-        model.load_state_dict(arrays.to_torch_state_dict())
+        # replies of Opacus clients may carry its "_module." prefix into the global arrays
+        state = {canonical_key(key): value for key, value in arrays.to_torch_state_dict().items()}
+        model.load_state_dict(state)
         total = len(labels)
         loss_sum = 0.0
         correct = 0.0

@@ -158,6 +158,18 @@ def test_sparsity_matching_drops_when_a_direction_is_a_mixture(case, weight: flo
     assert float(per_sample.min()) >= 0.0
 
 
+def test_degenerate_direction_sets_score_as_failures_without_reaching_lapack_with_nan() -> None:
+    truth = _truth("faces", 4, 100, 0)
+    scorer = truth.scorer()
+    sets = truth.directions.expand(3, -1, -1).clone()
+    sets[1, 2] = 0.0  # a zero direction: its unit vector is NaN
+    sets[2, 0] = float("nan")
+    per_sample, q_inv = scorer.score(sets)
+    assert torch.equal(per_sample[0], torch.ones(4, dtype=per_sample.dtype))
+    assert torch.equal(per_sample[1:], torch.full((2, 4), -1.0, dtype=per_sample.dtype))
+    assert bool(torch.isfinite(q_inv[1:]).all())  # the stand-in identity was inverted, not NaN
+
+
 def test_select_with_too_few_directions_completes_with_placeholders() -> None:
     truth = _truth("faces", 4, 100, 0)
     found = truth.directions[:2]
