@@ -38,7 +38,7 @@ from fl_attack import Spear, SpearPlusPlus
 from fl_attack.attacks import GradientInversionAttack
 from fl_attack.datasets import ImageData, load_dataset, sample_batch
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.metrics import evaluate_reconstruction
+from fl_attack.metrics import BatchQuality, evaluate_reconstruction
 from fl_attack.victims import build_victim, client_gradient, first_linear
 
 __all__ = [
@@ -368,6 +368,25 @@ class Outcome:
     sparsity_matching: float = math.nan
     error: str = ""
 
+    @classmethod
+    def scored(cls, method: str, run: AttackRun, quality: BatchQuality) -> Outcome:
+        """The outcome of a successful attack run, scored by ``quality``."""
+        rec = run.reconstruction
+        assert rec is not None, "only a run that returned a reconstruction can be scored"
+        return cls(
+            method=method,
+            batch_size=int(quality.psnr.numel()),
+            seconds=run.seconds,
+            mean_psnr=quality.mean_psnr,
+            min_psnr=float(quality.psnr.min()),
+            exact_fraction=quality.exact_fraction,
+            approx_fraction=quality.approx_fraction,
+            psnr=[float(v) for v in quality.psnr],
+            found=rec.found,
+            complete=bool(rec.complete),
+            sparsity_matching=float(rec.sparsity_matching),
+        )
+
     def succeeded(self, threshold_db: float) -> bool:
         """Batch criterion of the papers: mean PSNR above ``threshold_db`` (False on error)."""
         return not math.isnan(self.mean_psnr) and self.mean_psnr > threshold_db
@@ -483,19 +502,7 @@ def attack_update(
     quality = evaluate_reconstruction(
         rec.inputs, reference, denormalize=data.denormalize, image_shape=data.image_shape
     )
-    return Outcome(
-        method=method,
-        batch_size=true_b,
-        seconds=run.seconds,
-        mean_psnr=quality.mean_psnr,
-        min_psnr=float(quality.psnr.min()),
-        exact_fraction=quality.exact_fraction,
-        approx_fraction=quality.approx_fraction,
-        psnr=[float(v) for v in quality.psnr],
-        found=rec.found,
-        complete=bool(rec.complete),
-        sparsity_matching=float(rec.sparsity_matching),
-    )
+    return Outcome.scored(method, run, quality)
 
 
 # --------------------------------------------------------------------------- aggregation

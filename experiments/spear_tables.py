@@ -313,19 +313,7 @@ def score_images(
         rec.inputs, reference, denormalize=data.denormalize, image_shape=data.image_shape,
         exact_db=EXACT_DB,
     )
-    outcome = Outcome(
-        method=method,
-        batch_size=true_b,
-        seconds=run.seconds,
-        mean_psnr=quality.mean_psnr,
-        min_psnr=float(quality.psnr.min()),
-        exact_fraction=quality.exact_fraction,
-        approx_fraction=quality.approx_fraction,
-        psnr=[float(v) for v in quality.psnr],
-        found=rec.found,
-        complete=bool(rec.complete),
-        sparsity_matching=float(rec.sparsity_matching),
-    )
+    outcome = Outcome.scored(method, run, quality)
     lpips = float(quality.lpips.nanmean()) if quality.lpips is not None else None
     return outcome, lpips
 
@@ -594,19 +582,7 @@ def score_layer_inputs(method: str, run: AttackRun, reference: torch.Tensor) -> 
         mae, max_err = float(errors.mean()), float(errors.max())
     else:  # fewer rows than samples: nothing to compare the rest with
         mae, max_err = math.nan, math.nan
-    outcome = Outcome(
-        method=method,
-        batch_size=true_b,
-        seconds=run.seconds,
-        mean_psnr=quality.mean_psnr,
-        min_psnr=float(quality.psnr.min()),
-        exact_fraction=quality.exact_fraction,
-        approx_fraction=quality.approx_fraction,
-        psnr=[float(v) for v in quality.psnr],
-        found=rec.found,
-        complete=bool(rec.complete),
-        sparsity_matching=float(rec.sparsity_matching),
-    )
+    outcome = Outcome.scored(method, run, quality)
     return DepthScore(outcome, mae, max_err, quality.exact_fraction == 1.0)
 
 

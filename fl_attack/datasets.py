@@ -56,6 +56,27 @@ _MNIST_MEAN = (0.1307,)
 _MNIST_STD = (0.3081,)
 
 
+def index_tensor(
+    indices: Sequence[int] | torch.Tensor | np.ndarray, length: int, *, what: str = "samples"
+) -> torch.Tensor:
+    """Integer indices (``int64``, flat) from integers or a boolean mask over ``length`` items.
+
+    Raises
+    ------
+    ValueError
+        For a mask of the wrong shape or indices out of range.
+    """
+    idx = torch.as_tensor(indices)
+    if idx.dtype == torch.bool:
+        if idx.shape != (length,):
+            raise ValueError(f"boolean mask must have shape ({length},)")
+        idx = idx.nonzero().flatten()
+    idx = idx.to(torch.int64).reshape(-1)
+    if idx.numel() and (int(idx.min()) < -length or int(idx.max()) >= length):
+        raise ValueError(f"subset indices out of range for {length} {what}")
+    return idx
+
+
 @dataclass(frozen=True, eq=False)
 class ImageData:
     """A labelled image dataset held in memory, normalized per channel.
@@ -160,17 +181,7 @@ class ImageData:
 
     def subset(self, indices: Sequence[int] | torch.Tensor | np.ndarray | slice) -> ImageData:
         """The samples at ``indices`` (integer indices, a boolean mask or a slice)."""
-        if isinstance(indices, slice):
-            idx: torch.Tensor | slice = indices
-        else:
-            idx = torch.as_tensor(indices)
-            if idx.dtype == torch.bool:
-                if idx.shape != (len(self),):
-                    raise ValueError(f"boolean mask must have shape ({len(self)},)")
-                idx = idx.nonzero().flatten()
-            idx = idx.to(torch.int64).reshape(-1)
-            if idx.numel() and (int(idx.min()) < -len(self) or int(idx.max()) >= len(self)):
-                raise ValueError(f"subset indices out of range for {len(self)} samples")
+        idx = indices if isinstance(indices, slice) else index_tensor(indices, len(self), what="samples")
         return ImageData(
             name=self.name,
             images=self.images[idx],

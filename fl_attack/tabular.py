@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack.datasets import DATA_ENV_VAR, data_search_paths
+from fl_attack.datasets import DATA_ENV_VAR, data_search_paths, index_tensor
 from fl_attack.metrics import match_samples
 
 __all__ = [
@@ -587,14 +587,7 @@ class TabularData:
 
     def subset(self, indices: Sequence[int] | torch.Tensor | np.ndarray) -> TabularData:
         """The rows at ``indices`` (integers or a boolean mask)."""
-        idx = torch.as_tensor(indices)
-        if idx.dtype == torch.bool:
-            if idx.shape != (len(self),):
-                raise ValueError(f"boolean mask must have shape ({len(self)},)")
-            idx = idx.nonzero().flatten()
-        idx = idx.to(torch.int64).reshape(-1)
-        if idx.numel() and (int(idx.min()) < -len(self) or int(idx.max()) >= len(self)):
-            raise ValueError(f"subset indices out of range for {len(self)} rows")
+        idx = index_tensor(indices, len(self), what="rows")
         return TabularData(
             name=self.name,
             features=self.features[idx],
