@@ -23,6 +23,8 @@ RANK_TOLERANCE = 1e-6
 
 #: Flops one position of a swap round may spend on scoring trial sets.
 SWAP_FLOPS = 2e9
+#: Entries of a unit direction below this are set to zero (denormals stall batched LAPACK).
+_NEGLIGIBLE = 1e-150
 
 
 @dataclass(frozen=True)
@@ -83,16 +85,20 @@ class SparsityMatchingScorer:
         eye = torch.eye(unit.shape[-1], dtype=unit.dtype, device=unit.device)
         valid = torch.isfinite(unit).all(dim=-1).all(dim=-1)
         unit = torch.where(valid[..., None, None], unit, eye)
+        unit = torch.where(unit.abs() < _NEGLIGIBLE, torch.zeros_like(unit), unit)
         scales = self.scales(unit)
-        q = unit.transpose(-1, -2) * scales.unsqueeze(-2)  # columns q_i * s_i
-        finite = valid & torch.isfinite(q).all(dim=-1).all(dim=-1)
-        q_inv, info = torch.linalg.inv_ex(torch.where(finite[..., None, None], q, eye))
+        # Q = U diag(s) with unit columns U: invert the well-scaled U and divide by s, so that
+        # LAPACK never sees tiny (denormal) entries, on which batched MKL LU stalls for minutes
+        unit_inv, info = torch.linalg.inv_ex(unit.transpose(-1, -2))
+        finite = valid & torch.isfinite(scales).all(dim=-1) & (scales != 0).all(dim=-1)
+        safe_scales = torch.where(finite[..., None], scales, torch.ones_like(scales))
+        q_inv = unit_inv / safe_scales.unsqueeze(-1)  # rows of U^{-1} divided by s_i
         columns = self.factors.left @ unit.transpose(-1, -2)  # unit gradient columns (..., m, b)
         is_zero = columns.abs() <= self.tolerance.absolute
         pre_activation = self.pre_activation_basis @ q_inv.transpose(-1, -2) + self.update.bias[:, None]
         agree = (pre_activation <= 0) == is_zero
         per_sample = agree.to(directions.dtype).mean(dim=-2)
-        bad = (info != 0) | ~finite | ~torch.isfinite(scales).all(dim=-1) | (scales == 0).any(dim=-1)
+        bad = (info != 0) | ~finite
         per_sample = torch.where(bad.unsqueeze(-1), torch.full_like(per_sample, -1.0), per_sample)
         return per_sample, q_inv
 
