@@ -87,9 +87,8 @@ class SparsityMatchingScorer:
         unit = torch.where(valid[..., None, None], unit, eye)
         unit = torch.where(unit.abs() < _NEGLIGIBLE, torch.zeros_like(unit), unit)
         scales = self.scales(unit)
-        # Q = U diag(s) with unit columns U: invert the well-scaled U and divide by s, so that
-        # LAPACK never sees tiny (denormal) entries, on which batched MKL LU stalls for minutes
-        unit_inv, info = torch.linalg.inv_ex(unit.transpose(-1, -2))
+        # Q = U diag(s) with unit columns U: invert the well-scaled U, then divide by s
+        unit_inv, singular = _safe_inverse(unit.transpose(-1, -2))
         finite = valid & torch.isfinite(scales).all(dim=-1) & (scales != 0).all(dim=-1)
         safe_scales = torch.where(finite[..., None], scales, torch.ones_like(scales))
         q_inv = unit_inv / safe_scales.unsqueeze(-1)  # rows of U^{-1} divided by s_i
@@ -98,7 +97,7 @@ class SparsityMatchingScorer:
         pre_activation = self.pre_activation_basis @ q_inv.transpose(-1, -2) + self.update.bias[:, None]
         agree = (pre_activation <= 0) == is_zero
         per_sample = agree.to(directions.dtype).mean(dim=-2)
-        bad = (info != 0) | ~finite
+        bad = singular | ~finite
         per_sample = torch.where(bad.unsqueeze(-1), torch.full_like(per_sample, -1.0), per_sample)
         return per_sample, q_inv
 
@@ -106,6 +105,23 @@ class SparsityMatchingScorer:
         """``X^T = Q^{-1} R`` for one set of b directions."""
         _, q_inv = self.score(directions)
         return q_inv @ self.factors.right
+
+
+def _safe_inverse(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverses of ``(..., b, b)`` matrices by QR, with a flag for the singular ones.
+
+    Not LU: on a batch holding an exactly singular matrix (a swap trial repeating a chosen
+    direction) multi-threaded MKL LU stalls for minutes (``DLASWP`` errors). Singular
+    matrices get the identity's inverse and ``True`` in the flag.
+    """
+    q, r = torch.linalg.qr(matrices)
+    diagonal = r.diagonal(dim1=-2, dim2=-1).abs()
+    singular = (diagonal <= RANK_TOLERANCE**2 * diagonal.amax(dim=-1, keepdim=True)).any(dim=-1)
+    singular |= ~torch.isfinite(diagonal).all(dim=-1)
+    eye = torch.eye(matrices.shape[-1], dtype=matrices.dtype, device=matrices.device)
+    r = torch.where(singular[..., None, None], eye, r)
+    q = torch.where(singular[..., None, None], eye, q)
+    return torch.linalg.solve_triangular(r, q.transpose(-1, -2), upper=True), singular
 
 
 def orthonormal_completion(directions: torch.Tensor, size: int) -> torch.Tensor:

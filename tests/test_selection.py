@@ -170,6 +170,15 @@ def test_degenerate_direction_sets_score_as_failures_without_reaching_lapack_wit
     assert bool(torch.isfinite(q_inv[1:]).all())  # the stand-in identity was inverted, not NaN
 
 
+def test_a_set_repeating_a_direction_is_singular_and_scored_as_a_failure() -> None:
+    truth = _truth("faces", 4, 100, 0)
+    sets = truth.directions.expand(2, -1, -1).clone()
+    sets[1, 3] = sets[1, 1]  # what a swap trial does when the pool repeats a chosen direction
+    per_sample, _ = truth.scorer().score(sets)
+    assert torch.equal(per_sample[0], torch.ones(4, dtype=per_sample.dtype))
+    assert torch.equal(per_sample[1], torch.full((4,), -1.0, dtype=per_sample.dtype))
+
+
 def test_select_with_too_few_directions_completes_with_placeholders() -> None:
     truth = _truth("faces", 4, 100, 0)
     found = truth.directions[:2]
