@@ -15,10 +15,10 @@ from tqdm.auto import tqdm
 from fl_attack.candidates import CandidatePool
 from fl_attack.mixtures import split_mixtures
 from fl_attack.last_direction import scan_missing_directions
-from fl_attack.lowrank import LowRankFactors, decompose
+from fl_attack.lowrank import LowRankFactors, decompose, noise_std
 from fl_attack.observation import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.selection import Selection, SparsityMatchingScorer, select
+from fl_attack.selection import Selection, SparsityMatchingScorer, prune_doubtful, select
 from fl_attack.sparsity import ZeroTolerance, kernel_of_smallest, least_squares_kernel, min_sparsity
 from fl_attack.sphere_search import (
     OPTIMIZERS,
@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 #: and the search stops when the sparsity matching stops improving.
 NOISY_ABOVE = 1e-3
 
+#: Seconds (at most, and at most a tenth of the budget) that pruning a noisy selection may run
+#: past the time budget.
+PRUNE_GRACE = 30.0
+
 #: On a clean gradient, a complete selection whose every sample matches at least this well
 #: is kept once restarts stop improving it (FedAvg drift keeps exact samples just below 1).
 SETTLED_MATCHING = 0.9
@@ -52,6 +56,7 @@ class _SearchState:
     stats: dict[str, Any]
     active: torch.Tensor
     noisy: bool
+    grace: float = 0.0
 
 
 class GradientInversionAttack(ABC):
@@ -67,7 +72,9 @@ class GradientInversionAttack(ABC):
         Seed of the attack's own random generator; the same seed on the same device gives
         the same reconstruction.
     time_budget
-        Seconds after which the search stops and returns the best reconstruction so far.
+        Seconds after which the search stops and returns the best reconstruction so far. On
+        noisy gradients the final pruning of doubtful rows
+        (:func:`fl_attack.selection.prune_doubtful`) may add up to a tenth of it (at most 30 s).
     false_rejection
         Probability of wrongly discarding a correct direction by the sparsity filter
         (SPEAR Sec. 4.1); sets the minimum zero fraction ``tau``.
@@ -169,12 +176,19 @@ class GradientInversionAttack(ABC):
         noise = noise_level if noise_level is not None else self.noise_level
         relative_noise = noise if noise is not None else factors.spectrum.relative_noise
         tolerance = ZeroTolerance.from_noise(relative_noise, width=m, factor=self.zero_tolerance_factor)
+        noisy = relative_noise > NOISY_ABOVE
+        entry_noise = 0.0
+        if noisy:
+            entry_noise = noise_std(factors.singular_values, batch_size=b, shape=update.weight_grad.shape)
+            if entry_noise > 0:
+                tolerance = tolerance.with_entry_noise(entry_noise, factors.singular_values[:b])
         budget = time_budget if time_budget is not None else self.time_budget
         stats: dict[str, Any] = {
             "attack": self.name,
             "estimated_batch_size": factors.spectrum.batch_size,
             "spectral_gap": factors.spectrum.gap,
             "relative_noise": relative_noise,
+            "noise_std": entry_noise,
             "device": str(device),
         }
         scorer = SparsityMatchingScorer(update, factors, tolerance)
@@ -192,7 +206,6 @@ class GradientInversionAttack(ABC):
         min_zeros = max(b + 1, math.ceil(tau * int(active.sum()))) if b > 1 else 0
         weak_min_zeros = max(b + 1, math.ceil(0.5 * tau * int(active.sum()))) if b > 1 else 0
         stats["min_zeros"] = min_zeros
-        noisy = relative_noise > NOISY_ABOVE
         stats["noisy"] = noisy
         cos_tolerance = min(1e-2, max(1e-9, 50.0 * relative_noise**2))
         pool = CandidatePool(search_factors, tolerance, min_zeros=min_zeros, weak_min_zeros=weak_min_zeros,
@@ -206,6 +219,7 @@ class GradientInversionAttack(ABC):
             stats=stats,
             active=active,
             noisy=noisy,
+            grace=min(PRUNE_GRACE, 0.1 * budget) if budget is not None else math.inf,
         )
         selection = self._run(state, scorer)
         stats.update(
@@ -278,6 +292,11 @@ class GradientInversionAttack(ABC):
         state.stats["rounds"] = rounds
         if best is None:
             best = self._select(state, scorer)
+        if state.noisy and b > 1:
+            found = int(best.found.sum())
+            # pruning is worth a little time past the deadline: a wrong row spoils every sample
+            best = prune_doubtful(scorer, best, deadline=max(state.deadline, time.perf_counter()) + state.grace)
+            state.stats["pruned"] = found - int(best.found.sum())
         return best
 
     def _settled(self, state: _SearchState, best: Selection, stale: int) -> bool:
@@ -321,14 +340,18 @@ class GradientInversionAttack(ABC):
         """Select from confident then weak candidates, swapping only until the deadline.
 
         Weak candidates rank after every confident one in the sparsest-first stage; on noisy
-        gradients only the sparsest ``3 b`` confident candidates are considered.
+        gradients only the ``3 b`` confident candidates with the largest excess of zeros over a
+        dense column are considered.
         """
         pool = state.pool
         directions, counts = pool.directions, pool.zero_counts
         limit = 3 * state.factors.batch_size
-        if state.noisy and len(pool) > limit:
-            top = torch.topk(counts, k=limit).indices
-            directions, counts = directions[top], counts[top]
+        if state.noisy:
+            # per-direction zero thresholds: rank by zeros in excess of a dense column's
+            counts = pool.excess
+            if len(pool) > limit:
+                top = torch.topk(counts, k=limit).indices
+                directions, counts = directions[top], counts[top]
         elif not state.noisy:
             weak, weak_counts = pool.weak()
             directions = torch.cat([directions, weak], dim=0)

@@ -8,6 +8,7 @@ from fl_attack.lowrank import LowRankFactors
 from fl_attack.sparsity import (
     ZeroTolerance,
     deduplicate,
+    excess_zeros,
     normalize_columns,
     refine_on_zeros,
     zero_masks,
@@ -32,18 +33,29 @@ class CandidatePool:
         zeros than the binomial model expects, but so do sparse mixtures of two samples.
     cos_tolerance
         Proposals whose |cosine| with a kept direction exceeds ``1 - cos_tolerance`` are duplicates.
+    min_excess
+        Under noise (per-direction tolerance) a confident candidate must also have this many
+        standard deviations more zeros than a dense column (see :func:`excess_zeros`).
+
+    Attributes
+    ----------
+    excess
+        ``(c,)`` the z-score of each stored direction's zero count against a dense column;
+        the sparsity ranking of noisy gradients.
     """
 
     def __init__(self, factors: LowRankFactors, tolerance: ZeroTolerance, *, min_zeros: int,
-                 weak_min_zeros: int, cos_tolerance: float) -> None:
+                 weak_min_zeros: int, cos_tolerance: float, min_excess: float = 6.0) -> None:
         self.factors = factors
         self.tolerance = tolerance
         self.min_zeros = min_zeros
         self.weak_min_zeros = min(weak_min_zeros, min_zeros)
         self.cos_tolerance = cos_tolerance
+        self.min_excess = min_excess
         b = factors.batch_size
         self.directions = factors.left.new_zeros(0, b)
         self.zero_counts = torch.zeros(0, dtype=torch.long, device=factors.left.device)
+        self.excess = factors.left.new_zeros(0)
         self.mixtures = factors.left.new_zeros(0, b)
         self.mixture_counts = torch.zeros(0, dtype=torch.long, device=factors.left.device)
         self.mixture_limit = max(64, 4 * b)
@@ -71,12 +83,15 @@ class CandidatePool:
         proposals = normalize_columns(refine_on_zeros(self.factors, proposals, self.tolerance))
         proposals = proposals[torch.isfinite(proposals).all(dim=1) & (proposals.norm(dim=1) > 0.5)]
         counts = zero_masks(self.factors, proposals, self.tolerance).sum(dim=1)
+        excess = excess_zeros(self.factors, proposals, self.tolerance, counts)
         keep = counts >= self.min_zeros
+        if self.tolerance.per_direction:
+            keep &= excess >= self.min_excess
         self.rejected_sparsity += int((~keep).sum())
         # more zeros than the b - 1 any kernel has: a sparse mixture of a few samples
         sparse_mixture = ~keep & (counts >= self.factors.batch_size + 2)
         new_weak = self._remember_mixtures(proposals[sparse_mixture], counts[sparse_mixture])
-        proposals, counts = proposals[keep], counts[keep]
+        proposals, counts, excess = proposals[keep], counts[keep], excess[keep]
         if proposals.shape[0] == 0:
             return new_weak
         if len(self):
@@ -84,16 +99,18 @@ class CandidatePool:
             similarity = (proposals @ self.directions.T).abs()
             nearest = similarity.argmax(dim=1)
             duplicate = similarity.gather(1, nearest[:, None]).squeeze(1) > 1.0 - self.cos_tolerance
-            better = duplicate & (counts > self.zero_counts[nearest])
+            better = duplicate & (excess > self.excess[nearest])
             for index in torch.nonzero(better).flatten().tolist():
                 target = int(nearest[index])
-                if counts[index] > self.zero_counts[target]:
+                if excess[index] > self.excess[target]:
                     self.directions[target] = proposals[index]
                     self.zero_counts[target] = counts[index]
-            proposals, counts = proposals[~duplicate], counts[~duplicate]
+                    self.excess[target] = excess[index]
+            proposals, counts, excess = proposals[~duplicate], counts[~duplicate], excess[~duplicate]
         kept = deduplicate(proposals, cos_tolerance=self.cos_tolerance)
         self.directions = torch.cat([self.directions, proposals[kept]], dim=0)
         self.zero_counts = torch.cat([self.zero_counts, counts[kept]], dim=0)
+        self.excess = torch.cat([self.excess, excess[kept]], dim=0)
         return int(kept.numel()) + new_weak
 
     def _remember_mixtures(self, mixtures: torch.Tensor, counts: torch.Tensor) -> int:

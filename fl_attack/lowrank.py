@@ -166,3 +166,17 @@ def decompose(weight_grad: torch.Tensor, *, batch_size: int | None = None) -> Lo
     left = u[:, :b].contiguous()
     right = (s[:b, None] * vh[:b]).contiguous()
     return LowRankFactors(left=left, right=right, singular_values=s, spectrum=spectrum)
+
+
+def noise_std(singular_values: torch.Tensor, *, batch_size: int, shape: tuple[int, int]) -> float:
+    """Std of i.i.d. noise on the gradient entries, from the energy beyond rank ``b``.
+
+    Noise of std ``sigma`` on an ``(m, n)`` gradient leaves about ``sigma^2 (m - b)(n - b)``
+    of energy outside the rank-``b`` signal subspace.
+    """
+    m, n = shape
+    dof = (m - batch_size) * (n - batch_size)
+    tail = singular_values[batch_size:].double()
+    if dof <= 0 or tail.numel() == 0:
+        return 0.0
+    return math.sqrt(float((tail**2).sum()) / dof)

@@ -93,7 +93,7 @@ class SparsityMatchingScorer:
         safe_scales = torch.where(finite[..., None], scales, torch.ones_like(scales))
         q_inv = unit_inv / safe_scales.unsqueeze(-1)  # rows of U^{-1} divided by s_i
         columns = self.factors.left @ unit.transpose(-1, -2)  # unit gradient columns (..., m, b)
-        is_zero = columns.abs() <= self.tolerance.absolute
+        is_zero = columns.abs() <= self.tolerance.thresholds(unit).unsqueeze(-2)
         pre_activation = self.pre_activation_basis @ q_inv.transpose(-1, -2) + self.update.bias[:, None]
         agree = (pre_activation <= 0) == is_zero
         per_sample = agree.to(directions.dtype).mean(dim=-2)
@@ -167,7 +167,8 @@ def select(
     candidates
         ``(c, b)`` deduplicated candidate directions.
     zero_counts
-        ``(c,)`` number of exact zeros of each candidate's gradient column.
+        ``(c,)`` number of exact zeros of each candidate's gradient column (or any sparsity
+        score, larger meaning sparser).
     max_swap_rounds
         Upper bound on improving swaps (each round tries every swap of the worst columns).
     deadline
@@ -193,7 +194,7 @@ def select(
     per_sample, _ = scorer.score(directions)
     chosen_set = set(chosen)
     unused = sorted((i for i in range(candidates.shape[0]) if i not in chosen_set),
-                    key=lambda i: -int(zero_counts[i]))
+                    key=lambda i: -float(zero_counts[i]))
     for _ in range(max_swap_rounds):
         if not unused or bool((per_sample >= good_enough).all()) or time.perf_counter() > deadline:
             break
@@ -245,3 +246,90 @@ def _best_swap(
     if best is None:
         return None
     return best[1], best[2], best[3]
+
+
+#: Trial sets scored together while pruning (bounds memory at ~ chunk * m * b doubles).
+_PRUNE_CHUNK = 32
+
+
+def prune_doubtful(
+    scorer: SparsityMatchingScorer,
+    selection: Selection,
+    *,
+    deadline: float = math.inf,
+    min_gain: float = 5e-3,
+    max_pruned_fraction: float = 0.5,
+) -> Selection:
+    """Drop selected directions whose presence spoils the reconstruction of the others.
+
+    Under noise the selection may hold a wrong direction (a sparse mixture standing in for a
+    sample whose own direction was never found). Because ``X^T = Q^{-1} R`` couples all rows,
+    one wrong row pollutes every sample's input, which shows as a low sparsity matching of
+    the *other* samples. A row is dropped (replaced by the orthonormal completion, which
+    claims nothing) when that raises the mean matching of the other rows by more than
+    ``min_gain``; rows are dropped greedily, up to a tenth of them at once when each helps
+    on its own and the extra ones help beyond the best single drop. Dropped rows are
+    reported as not found. When the matching carries no signal (heavy noise on wide layers
+    it sits near 0.5 for every row) this cannot tell right from wrong rows, and
+    ``max_pruned_fraction`` bounds the damage.
+    """
+    b = scorer.factors.batch_size
+    kept = selection.directions[selection.found]
+    kept = kept / kept.norm(dim=1, keepdim=True)
+    floor = max(1, math.ceil((1.0 - max_pruned_fraction) * b))
+    current = _kept_matching(scorer, kept[None], b)[0]
+    while kept.shape[0] > floor and time.perf_counter() < deadline:
+        k = kept.shape[0]
+        # a dropped row's own matching must not count: compare the other rows only
+        others = (current.sum() - current) / (k - 1)
+        leave_one_out = torch.stack([torch.cat([kept[:i], kept[i + 1:]]) for i in range(k)])
+        trials = _kept_matching(scorer, leave_one_out, b, deadline=deadline)
+        if trials is None:
+            break
+        gains = trials.mean(dim=-1) - others
+        best = int(torch.argmax(gains))
+        if float(gains[best]) <= min_gain:
+            break
+        mask = _keep_mask(k, torch.tensor([best], device=kept.device), kept.device)
+        value = trials[best]
+        helpful = torch.nonzero(gains >= max(min_gain, 0.5 * float(gains[best]))).flatten()
+        helpful = helpful[torch.argsort(gains[helpful], descending=True)][: max(1, min(k - floor, k // 10))]
+        if helpful.numel() > 1:
+            # several at once only when the extra drops do not hurt the rows that stay
+            bulk = _keep_mask(k, helpful, kept.device)
+            bulk_value = _kept_matching(scorer, kept[bulk][None], b)[0]
+            single_on_bulk = value[bulk[mask]]
+            if float(bulk_value.mean()) >= float(single_on_bulk.mean()) + min_gain:
+                mask, value = bulk, bulk_value
+        kept, current = kept[mask], value
+    if kept.shape[0] == int(selection.found.sum()):
+        return selection
+    directions = torch.cat([kept, orthonormal_completion(kept, b).to(kept.dtype)], dim=0)
+    per_sample, q_inv = scorer.score(directions)
+    found = torch.arange(b, device=kept.device) < kept.shape[0]
+    per_sample = torch.where(found, per_sample, torch.zeros_like(per_sample))
+    return Selection(directions, found, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean()))
+
+
+def _keep_mask(size: int, drop: torch.Tensor, device: torch.device) -> torch.Tensor:
+    mask = torch.ones(size, dtype=torch.bool, device=device)
+    mask[drop] = False
+    return mask
+
+
+def _kept_matching(scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: int, *,
+                   deadline: float = math.inf) -> torch.Tensor | None:
+    """Per-row matching ``(s, k)`` of the kept rows of each ``(s, k, b)`` set completed to
+    ``b`` rows; None when the deadline passes first."""
+    sets, k = kept_sets.shape[0], kept_sets.shape[1]
+    values = []
+    for start in range(0, sets, _PRUNE_CHUNK):
+        if time.perf_counter() > deadline:
+            return None
+        chunk = kept_sets[start:start + _PRUNE_CHUNK]
+        if k < b:
+            basis, _ = torch.linalg.qr(chunk.transpose(-1, -2), mode="complete")
+            chunk = torch.cat([chunk, basis[..., k:].transpose(-1, -2)], dim=-2)
+        per_sample, _ = scorer.score(chunk)
+        values.append(per_sample[..., :k])
+    return torch.cat(values)
