@@ -37,7 +37,6 @@ Run ``python -m experiments.defended_updates --quick`` for a ~2-3 minute check.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import statistics
 import sys
@@ -80,9 +79,9 @@ from fl_attack.victims import (
     client_gradient,
     dp_sgd_gradient,
     fedavg_update,
-    first_linear,
     median_abs_entry,
     noisy_gradient,
+    output_gradient,
 )
 
 SECTIONS = ("dp", "fedavg", "dpsgd", "fedavg-grid", "lr-grid", "secagg")
@@ -512,22 +511,7 @@ def _noisy_fedsgd(
 
 def output_gradients(trial: Trial) -> torch.Tensor:
     """The true ``dL/dZ`` ``(b, m)`` of the trial's batch at the first layer (float64)."""
-    model = copy.deepcopy(trial.model).double()
-    _, layer = first_linear(model)
-    captured: list[torch.Tensor] = []
-
-    def keep(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        output.retain_grad()
-        captured.append(output)
-
-    handle = layer.register_forward_hook(keep)
-    try:
-        with torch.enable_grad():
-            logits = model(trial.inputs.double())
-            nn.functional.cross_entropy(logits, trial.labels).backward()
-    finally:
-        handle.remove()
-    return captured[0].grad.detach()
+    return output_gradient(trial.model, trial.inputs, trial.labels)
 
 
 def oracle_quality(

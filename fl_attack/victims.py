@@ -224,6 +224,34 @@ def client_gradient(
     return weight_grad.detach(), bias_grad.detach()
 
 
+def output_gradient(
+    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, *, loss: str = "ce"
+) -> torch.Tensor:
+    """The true ``dL/dZ`` ``(B, m)`` at the first linear layer's outputs, in float64.
+
+    Ground truth for benchmarks and tests (what an oracle would know); the attack never sees it.
+    The model is copied, so its parameters and ``.grad`` are left untouched.
+    """
+    model = copy.deepcopy(model).double()
+    loss_fn = _loss_fn(loss)
+    x, y = _check_batch(model, inputs, labels)
+    _, layer = first_linear(model)
+    captured: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        captured.append(output)
+        return output
+
+    handle = layer.register_forward_hook(keep)
+    try:
+        with torch.enable_grad():
+            value = loss_fn(model(x), y)
+            (gradient,) = torch.autograd.grad(value, captured[0])
+    finally:
+        handle.remove()
+    return gradient.detach()
+
+
 def fedavg_update(
     model: nn.Module,
     inputs: torch.Tensor,

@@ -21,31 +21,19 @@ from fl_attack.metrics import evaluate_reconstruction
 from fl_attack.observation import ObservedUpdate
 from fl_attack.selection import Selection, SparsityMatchingScorer, prune_doubtful
 from fl_attack.sparsity import NOISE_SIGMAS, ZeroTolerance, excess_zeros, zero_masks
-from fl_attack.victims import build_victim, client_gradient, first_linear, median_abs_entry, noisy_gradient
+from fl_attack.victims import (
+    build_victim,
+    client_gradient,
+    first_linear,
+    median_abs_entry,
+    noisy_gradient,
+    output_gradient,
+)
 
 
 @functools.lru_cache(maxsize=None)
 def _faces() -> ImageData:
     return load_dataset("faces", split="all")
-
-
-def _output_gradient(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The true ``dL/dZ`` ``(b, m)`` at the first layer (ground truth the attacker never sees)."""
-    model = __import__("copy").deepcopy(model).double()
-    _, layer = first_linear(model)
-    captured: list[torch.Tensor] = []
-
-    def keep(module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
-        output.retain_grad()
-        captured.append(output)
-
-    handle = layer.register_forward_hook(keep)
-    try:
-        logits = model(images.reshape(images.shape[0], -1).double())
-        torch.nn.functional.cross_entropy(logits, labels).backward()
-    finally:
-        handle.remove()
-    return captured[0].grad.detach()
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +48,7 @@ def _noisy_case(batch: int = 10, width: int = 200, factor: float = 0.25, seed: i
     update = ObservedUpdate.from_arrays(noisy_w, noisy_b, weight=layer.weight.detach(), bias=layer.bias.detach(),
                                         device="cpu")
     factors = decompose(update.weight_grad, batch_size=batch)
-    truth = _output_gradient(model, images, labels)
+    truth = output_gradient(model, images, labels)
     # the true directions as the attacker's subspace can represent them
     coordinates = (truth / truth.norm(dim=1, keepdim=True)) @ factors.left
     true_directions = coordinates / coordinates.norm(dim=1, keepdim=True)
