@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from fl_attack.candidates import CandidatePool
+from fl_attack.candidates import CandidatePool, duplicate_cos_tolerance
 from fl_attack.mixtures import split_mixtures
 from fl_attack.last_direction import scan_missing_directions
 from fl_attack.lowrank import LowRankFactors, decompose, noise_std
@@ -207,9 +207,8 @@ class GradientInversionAttack(ABC):
         weak_min_zeros = max(b + 1, math.ceil(0.5 * tau * int(active.sum()))) if b > 1 else 0
         stats["min_zeros"] = min_zeros
         stats["noisy"] = noisy
-        cos_tolerance = min(1e-2, max(1e-9, 50.0 * relative_noise**2))
         pool = CandidatePool(search_factors, tolerance, min_zeros=min_zeros, weak_min_zeros=weak_min_zeros,
-                             cos_tolerance=cos_tolerance)
+                             cos_tolerance=duplicate_cos_tolerance(relative_noise))
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
         state = _SearchState(
             factors=search_factors,

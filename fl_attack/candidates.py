@@ -15,6 +15,25 @@ from fl_attack.sparsity import (
 )
 
 
+#: Two kernels of the same sample differ by up to ~this many times the relative noise
+#: ``s_{b+1}/s_b`` in angle: after local FedAvg steps some of their b - 1 "zeros" are only
+#: small, not exact. Distinct samples differ by far more.
+DUPLICATE_ANGLE_PER_NOISE = 50.0
+
+
+def duplicate_cos_tolerance(relative_noise: float) -> float:
+    """``1 - |cos|`` below which two proposals are the same direction.
+
+    A near-duplicate kept as a second candidate can be selected beside its twin and make
+    ``Q`` ill-conditioned (every sample then reconstructs as noise), so the tolerance
+    follows the angle ``DUPLICATE_ANGLE_PER_NOISE * relative_noise``, within ``[1e-9, 1e-2]``.
+    """
+    if not relative_noise >= 0:
+        raise ValueError(f"relative_noise must be >= 0, got {relative_noise}")
+    angle = DUPLICATE_ANGLE_PER_NOISE * relative_noise
+    return min(1e-2, max(1e-9, 0.5 * angle**2))
+
+
 class CandidatePool:
     """Deduplicated unit directions whose gradient columns are sparse enough.
 

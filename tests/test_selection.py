@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from fl_attack.candidates import duplicate_cos_tolerance
 from fl_attack.datasets import load_dataset, sample_batch
 from fl_attack.last_direction import scan_missing_directions
 from fl_attack.lowrank import LowRankFactors, decompose
@@ -142,6 +143,55 @@ def test_select_returns_the_true_directions_with_matching_one(case) -> None:
     # the inputs are the batch, up to the order
     distance = torch.cdist(selection.inputs, truth.inputs)
     assert float(distance.min(dim=1).values.max()) < 1e-3
+
+
+def _twin(direction: torch.Tensor, angle: float, seed: int = 0) -> torch.Tensor:
+    """A unit vector at ``angle`` radians from ``direction``."""
+    gen = torch.Generator().manual_seed(seed)
+    unit = direction / direction.norm()
+    side = torch.randn(unit.shape[0], generator=gen, dtype=torch.float64)
+    side = side - (side @ unit) * unit
+    return math.cos(angle) * unit + math.sin(angle) * side / side.norm()
+
+
+@pytest.mark.parametrize("case", CASES[1:], ids=IDS[1:])
+def test_select_never_takes_two_twins_of_one_sample(case) -> None:
+    """A second rounding of one sample's direction (a FedAvg update's drifted zeros give
+    kernels ~1e-3 apart) must not push out another sample: at (150, 4000) eight such twins
+    made Q singular and every sample reconstructed as noise."""
+    truth = _truth(*case)
+    b = truth.batch
+    counts = zero_masks(truth.factors, truth.directions, truth.tolerance).sum(dim=1)
+    twins = torch.stack([_twin(truth.directions[i], 2e-3, seed=i) for i in range(3)])
+    # the twins look sparsest, so the sparsest-first stage meets them before the originals
+    candidates = torch.cat([twins, truth.directions])
+    zero_counts = torch.cat([torch.full((3,), int(counts.max()) + 1), counts])
+    chosen_rows = sparsest_independent(candidates, zero_counts, b)
+    assert chosen_rows[:3] == [0, 1, 2] and len(chosen_rows) == b
+    assert not {3, 4, 5} & set(chosen_rows), "a twin and its original were both chosen"
+    selection = select(truth.scorer(), candidates, zero_counts, max_swap_rounds=0)
+    assert selection.complete
+    unit = selection.directions / selection.directions.norm(dim=1, keepdim=True)
+    # every sample is represented once, so the inputs are the batch up to the twins' error
+    assert bool(((unit @ truth.directions.T).abs().max(dim=0).values > 1 - 1e-5).all())
+    distance = torch.cdist(selection.inputs, truth.inputs)
+    assert float(distance.min(dim=1).values.max()) < 0.1 * float(truth.inputs.norm(dim=1).min())
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_duplicate_tolerance_merges_twins_but_no_two_samples(case) -> None:
+    truth = _truth(*case)
+    noise = max(truth.factors.spectrum.relative_noise, 1e-5)
+    tolerance = duplicate_cos_tolerance(noise)
+    # two roundings of one sample, 20 x the relative noise apart, are one candidate
+    twin = _twin(truth.directions[0], 20 * noise)
+    assert 1 - float(twin @ truth.directions[0]) < tolerance
+    cos = (truth.directions @ truth.directions.T).abs().fill_diagonal_(0)
+    assert 1 - float(cos.max()) > duplicate_cos_tolerance(1.0)  # the cap keeps samples apart
+    assert duplicate_cos_tolerance(0.0) == 1e-9
+    for bad in (-1e-3, float("nan")):
+        with pytest.raises(ValueError, match="relative_noise"):
+            duplicate_cos_tolerance(bad)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
