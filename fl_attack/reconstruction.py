@@ -30,8 +30,10 @@ class Reconstruction:
     complete
         True when ``batch_size`` independent sparse directions were found and, on a clean
         gradient, every sample's ReLU pattern agrees with the gradient (confidence >= the
-        attack's ``accept_matching``). On a noisy gradient (DP noise, FedAvg drift) agreement
-        cannot be exact and ``complete`` only says that all directions were found.
+        attack's ``accept_matching``). On a noisy gradient (DP noise) agreement cannot be
+        exact: ``complete`` says that all directions were found and that their mean matching
+        is well above chance (``fl_attack.attacks.NOISY_COMPLETE_MATCHING``); below it the
+        measured reconstructions were noise.
     confidence
         ``(batch_size,)`` float64 tensor: per-sample sparsity-matching coefficient, 0 for
         placeholder rows. Near 1 means the sample is consistent with the observed update.

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from fl_attack import Reconstruction, SpearPlusPlus
+from fl_attack.attacks import NOISY_COMPLETE_MATCHING
 from fl_attack.datasets import ImageData, load_dataset, sample_batch
 from fl_attack.metrics import BatchQuality, evaluate_reconstruction
 from fl_attack.store import load_table
@@ -150,6 +151,32 @@ def test_moderate_gaussian_noise_gives_approximate_reconstructions() -> None:
     assert quality.approx_fraction >= 0.7, quality.psnr
     assert quality.mean_psnr > APPROX_DB, quality.psnr
     assert quality.exact_fraction == 0.0  # noise this strong cannot leave anything exact
+
+
+@pytest.mark.parametrize(
+    ("batch", "factor", "complete"), [(10, 0.1, True), (16, 2.0, False)], ids=["light", "heavy"]
+)
+def test_only_noisy_reconstructions_well_above_chance_are_complete(
+    batch: int, factor: float, complete: bool
+) -> None:
+    """At 2x the median entry all 16 directions are still selected, but their sparsity
+    matching (~0.56) is near chance and the inputs are noise: not a complete batch."""
+    data = _data("photo-patches")
+    model = _victim(data, 200)
+    images, labels = _batch(data, batch, seed=batch)
+    weight_grad, bias_grad = client_gradient(model, images, labels)
+    sigma = factor * median_abs_entry(weight_grad)
+    noisy_weight, noisy_bias = noisy_gradient(weight_grad, bias_grad, sigma=sigma, seed=0)
+    layer = first_linear(model)[1]
+    # a fixed number of initializations (no time budget) makes the search repeatable
+    attack = SpearPlusPlus(seed=0, time_budget=None, max_initializations=4096, progress=False)
+    rec = attack.invert(noisy_weight, noisy_bias, weight=layer.weight.detach(),
+                        bias=layer.bias.detach(), batch_size=batch)
+    quality = _quality(rec, data, images)
+    assert rec.stats["directions_found"] == batch, rec.summary()
+    assert rec.complete is complete, rec.summary()
+    assert (rec.sparsity_matching >= NOISY_COMPLETE_MATCHING) is complete
+    assert (quality.mean_psnr > APPROX_DB) is complete, quality.psnr
 
 
 # --------------------------------------------------------------------------------------
