@@ -43,8 +43,8 @@ PRUNE_GRACE = 30.0
 #: On a noisy gradient, b directions are reported as a complete reconstruction only when their
 #: mean sparsity matching reaches this; chance is ~0.5. Measured under DP noise: 0.49-0.62 gave
 #: inputs below 13 dB (CIFAR-10 (20, 200) at 2x median, (150, 4000) at 0.5x, photo patches
-#: (16, 200) at 2x), 0.72 gave 16 dB, 0.76-0.81 gave 20-22 dB (CIFAR-10 (20, 200) at 1x) and
-#: >= 0.83 gave > 25 dB.
+#: (16, 200) at 2x), 0.72 gave 16 dB, 0.76-0.81 gave 20-27 dB (CIFAR-10 (20, 200) at
+#: 0.5-1x); every batch above 25 dB matched >= 0.78.
 NOISY_COMPLETE_MATCHING = 0.75
 
 #: On a clean gradient, a complete selection whose every sample matches at least this well
