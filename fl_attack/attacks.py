@@ -243,8 +243,8 @@ class GradientInversionAttack(ABC):
             inputs=selection.inputs.detach().cpu(),
             batch_size=b,
             sparsity_matching=selection.sparsity_matching,
-            # on a clean gradient, b directions whose ReLU pattern contradicts the gradient are
-            # not a verified reconstruction: never report them as complete
+            # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
+            # barely above chance (noisy), are not a reconstruction: never report them complete
             complete=selection.complete and (
                 selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else self._accepted(selection)
             ),
