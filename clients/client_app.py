@@ -86,7 +86,7 @@ def _load(settings: _Settings, context: Context) -> ClientData:
 
 
 def _model(settings: _Settings, data: ClientData, arrays: ArrayRecord) -> torch.nn.Module:
-    from fl_attack.victims import build_victim  # pylint: disable=import-outside-toplevel
+    from fl_attack.simulate.victims import build_victim  # pylint: disable=import-outside-toplevel
 
     depth = settings.integer("depth")
     model = build_victim(

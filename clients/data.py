@@ -40,8 +40,8 @@ class ClientData:
 
 @lru_cache(maxsize=4)
 def load_image_data(name: str, root: str, limit: int) -> Any:
-    """``fl_attack.datasets.load_dataset`` cached per process (clients reuse it every round)."""
-    from fl_attack.datasets import load_dataset  # pylint: disable=import-outside-toplevel
+    """``fl_attack.data.images.load_dataset`` cached per process (clients reuse it every round)."""
+    from fl_attack.data.images import load_dataset  # pylint: disable=import-outside-toplevel
 
     return load_dataset(name, root=root or None, split="train", limit=limit or None)
 
@@ -63,7 +63,7 @@ def client_data(
     Parameters
     ----------
     dataset : str
-        Dataset name for ``fl_attack.datasets.load_dataset``.
+        Dataset name for ``fl_attack.data.images.load_dataset``.
     data_root : str
         Directory with the data files ("" for the default search path).
     dataset_limit : int

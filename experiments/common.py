@@ -35,11 +35,11 @@ import torch
 from torch import nn
 
 from fl_attack import Spear, SpearPlusPlus
-from fl_attack.attacks import GradientInversionAttack
-from fl_attack.datasets import ImageData, load_dataset, sample_batch
+from fl_attack.attacks.spear import GradientInversionAttack
+from fl_attack.data.images import ImageData, load_dataset, sample_batch
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.metrics import BatchQuality, evaluate_reconstruction
-from fl_attack.victims import build_victim, client_gradient, first_linear
+from fl_attack.evaluation.metrics import BatchQuality, evaluate_reconstruction
+from fl_attack.simulate.victims import build_victim, client_gradient, first_linear
 
 __all__ = [
     "METHODS",
@@ -215,7 +215,7 @@ def make_trial(
         Seeds the batch draw and the victim initialisation alike, so that every method
         attacks the same gradients.
     architecture
-        Victim architecture name of :func:`fl_attack.victims.build_victim`.
+        Victim architecture name of :func:`fl_attack.simulate.victims.build_victim`.
     """
     inputs, labels, _ = sample_batch(data, cell.batch_size, seed=seed)
     model = build_victim(

@@ -73,9 +73,9 @@ from experiments.common import (
     parse_names,
     summarize,
 )
-from fl_attack.datasets import ImageData
-from fl_attack.metrics import evaluate_reconstruction
-from fl_attack.victims import (
+from fl_attack.data.images import ImageData
+from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.simulate.victims import (
     client_gradient,
     dp_sgd_gradient,
     fedavg_update,

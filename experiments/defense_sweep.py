@@ -447,7 +447,7 @@ def leakage_of(rows: Sequence[Mapping[str, str]]) -> dict[str, Any]:
     Parameters
     ----------
     rows : Sequence[Mapping[str, str]]
-        Rows of :func:`fl_attack.store.load_table`.
+        Rows of :func:`fl_attack.results.store.load_table`.
 
     Returns
     -------
@@ -527,7 +527,7 @@ def _clear_run_dir(directory: Path) -> None:
     """Remove a previous run of the same point (only a directory that is a run directory)."""
     if not directory.exists():
         return
-    from fl_attack.store import RUN_CONFIG_FILE, TABLE_FILE  # pylint: disable=import-outside-toplevel
+    from fl_attack.results.store import RUN_CONFIG_FILE, TABLE_FILE  # pylint: disable=import-outside-toplevel
 
     if not ((directory / RUN_CONFIG_FILE).exists() or (directory / TABLE_FILE).exists()):
         raise ValueError(f"{directory} exists and is not a run directory; not overwriting it")
@@ -554,7 +554,7 @@ def run_point(
     """Run one point's simulation and summarise it; never raises for a failed simulation."""
     import json  # pylint: disable=import-outside-toplevel
 
-    from fl_attack.store import HISTORY_FILE, TABLE_FILE, load_table  # pylint: disable=import-outside-toplevel
+    from fl_attack.results.store import HISTORY_FILE, TABLE_FILE, load_table  # pylint: disable=import-outside-toplevel
     from strategies.cli import run_audit_simulation  # pylint: disable=import-outside-toplevel
     from strategies.config import resolve_run_config  # pylint: disable=import-outside-toplevel
 

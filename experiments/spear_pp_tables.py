@@ -44,7 +44,7 @@ from experiments.common import (
     parse_names,
     summarize,
 )
-from fl_attack.datasets import ImageData
+from fl_attack.data.images import ImageData
 
 EXACT_DB = 90.0
 """SPEAR++ Sec. 5: a batch is recovered when its mean PSNR exceeds 90 dB."""

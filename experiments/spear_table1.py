@@ -5,7 +5,7 @@ with the "modern" Inverting Gradients attack of Geiping et al. (2020) from the b
 library (PSNR 19.6 in 18.0 min), on ImageNet rescaled to 256x256, b = 20, SPEAR's victim (a
 6-layer fully connected ReLU network of width 200), on a GPU. ImageNet is not available
 offline, so this script runs on CIFAR-10 (``--dataset`` for any other dataset of
-:func:`fl_attack.datasets.load_dataset`).
+:func:`fl_attack.data.images.load_dataset`).
 
 Every trial draws a batch and a fresh victim from seed ``--seed + t`` and computes the client's
 float32 gradient of its mean cross-entropy once; every method attacks that same gradient:
@@ -63,9 +63,9 @@ from experiments.common import (
     summarize,
 )
 from fl_attack import InvertingGradients
-from fl_attack.datasets import ImageData, load_dataset
-from fl_attack.metrics import evaluate_reconstruction
-from fl_attack.victims import LOSSES, first_linear
+from fl_attack.data.images import ImageData, load_dataset
+from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.simulate.victims import LOSSES, first_linear
 
 EXACT_DB = 90.0
 """A batch counts as recovered exactly when its mean PSNR exceeds 90 dB."""
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="SPEAR Table 1: SPEAR, SPEAR++ and Inverting Gradients (Geiping et al.) on "
         "the same FedSGD gradients of SPEAR's 6-layer victim.",
     )
-    parser.add_argument("--dataset", default="cifar10", help="dataset of fl_attack.datasets (default cifar10)")
+    parser.add_argument("--dataset", default="cifar10", help="dataset of fl_attack.data.images (default cifar10)")
     parser.add_argument("--data-root", help="data root for cifar10 / mnist / folder (default: search)")
     parser.add_argument("--batch-size", type=int, default=20, help="client batch size b (default 20)")
     parser.add_argument("--width", type=int, default=200, help="victim width m (default 200)")

@@ -7,12 +7,12 @@ default experimental setup (Sec. 6): the 6-layer ReLU network of width m = 200, 
 its first layer, at initialization, with FedSGD float32 client gradients of the mean
 cross-entropy loss; here with 2 outputs (income > 50K).
 
-Rows are encoded by :mod:`fl_attack.tabular`: discrete features one-hot (0/1), continuous
+Rows are encoded by :mod:`fl_attack.data.tabular`: discrete features one-hot (0/1), continuous
 ones standardized with the training split's statistics; rows with a missing value are dropped
 as in Tableak (30162 training rows, 105 columns; Tableak's code also standardizes the one-hot
 columns, with train + test statistics, which changes nothing for an exact attack). Trial ``t`` draws its batch
 from the training rows and its victim from seed ``--seed + t``; every method attacks those
-same gradients. Scores (:func:`fl_attack.tabular.score_reconstruction`): one-to-one Hungarian
+same gradients. Scores (:func:`fl_attack.data.tabular.score_reconstruction`): one-to-one Hungarian
 matching of reconstructed to true rows, then the share of discrete features recovered and the
 mean absolute error of the continuous features in their original units (age in years,
 fnlwgt in census weight units, capital gain in USD, ...).
@@ -49,8 +49,8 @@ from experiments.common import (
     markdown_table,
     parse_names,
 )
-from fl_attack.tabular import TabularData, load_adult, sample_tabular_batch
-from fl_attack.victims import build_victim, client_gradient
+from fl_attack.data.tabular import TabularData, load_adult, sample_tabular_batch
+from fl_attack.simulate.victims import build_victim, client_gradient
 
 _ERROR_CHARS = 300
 
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-root",
         type=Path,
         help="directory holding adult.data / adult.test, or its parent with adult/ "
-        "(default: searched, see fl_attack.tabular.adult_search_paths)",
+        "(default: searched, see fl_attack.data.tabular.adult_search_paths)",
     )
     parser.add_argument(
         "--quick",

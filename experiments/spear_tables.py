@@ -62,9 +62,9 @@ from experiments.common import (
     run_attack,
     summarize,
 )
-from fl_attack.datasets import ImageData, load_dataset
-from fl_attack.metrics import evaluate_reconstruction, lpips_available
-from fl_attack.victims import layer_gradient
+from fl_attack.data.images import ImageData, load_dataset
+from fl_attack.evaluation.metrics import evaluate_reconstruction, lpips_available
+from fl_attack.simulate.victims import layer_gradient
 
 EXACT_DB = 90.0
 """A batch (Table 3) or an input (Table 4) is exact when its PSNR exceeds 90 dB."""
@@ -855,7 +855,7 @@ def build_parser() -> argparse.ArgumentParser:
     t4.add_argument(
         "--dataset",
         default="cifar10",
-        help="dataset of fl_attack.datasets (default cifar10; the paper used TinyImageNet)",
+        help="dataset of fl_attack.data.images (default cifar10; the paper used TinyImageNet)",
     )
     t4.add_argument("--data-root", help="root of the dataset (the image folder for 'folder')")
     _add_common_arguments(t4, "table4")

@@ -2,19 +2,38 @@
 
 No Flower import lives in this package: it only sees arrays, so it serves a Flower server
 strategy, an offline experiment, or any other framework alike.
+
+Layout: :mod:`fl_attack.types` (what the server observes, what an attack returns),
+:mod:`fl_attack.attacks` (the attacks by name), :mod:`fl_attack.pipeline` (their stages),
+:mod:`fl_attack.simulate` (victims and client updates), :mod:`fl_attack.data`,
+:mod:`fl_attack.evaluation`, :mod:`fl_attack.results` (store and report).
 """
 
-from fl_attack.attacks import GradientInversionAttack, Spear, SpearPlusPlus
-from fl_attack.baselines import InvertingGradients
+from fl_attack.attacks import (
+    GradientInversionAttack,
+    InvertingGradients,
+    LayerAttack,
+    Spear,
+    SpearPlusPlus,
+    available_attacks,
+    get_attack,
+    register_attack,
+)
+from fl_attack.pipeline.search import SURROGATES, SphereSchedule
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.sphere_search import SURROGATES, SphereSchedule
+from fl_attack.types import ObservedUpdate
 
 __all__ = [
     "GradientInversionAttack",
     "InvertingGradients",
+    "LayerAttack",
+    "ObservedUpdate",
     "Reconstruction",
     "SURROGATES",
     "Spear",
     "SpearPlusPlus",
     "SphereSchedule",
+    "available_attacks",
+    "get_attack",
+    "register_attack",
 ]

@@ -13,7 +13,7 @@ class Reconstruction:
     """Inputs recovered from one first-layer update, with what the attacker knows of their quality.
 
     Everything here is computed from the observed update alone: the attacker never sees
-    the ground truth. Scoring against the ground truth is the job of :mod:`fl_attack.metrics`.
+    the ground truth. Scoring against the ground truth is the job of :mod:`fl_attack.evaluation.metrics`.
 
     Attributes
     ----------
@@ -32,7 +32,7 @@ class Reconstruction:
         gradient, every sample's ReLU pattern agrees with the gradient (confidence >= the
         attack's ``accept_matching``). On a noisy gradient (DP noise) agreement cannot be
         exact: ``complete`` says that all directions were found and that their mean matching
-        is well above chance (``fl_attack.attacks.NOISY_COMPLETE_MATCHING``); below it the
+        is well above chance (``fl_attack.attacks.spear.NOISY_COMPLETE_MATCHING``); below it the
         measured reconstructions were noise.
     confidence
         ``(batch_size,)`` float64 tensor: per-sample sparsity-matching coefficient, 0 for

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from clients.protocol import AUDIT_KEY, TRAIN_MODE_KEY
-from fl_attack.metrics import APPROX_PSNR_DB, EXACT_PSNR_DB
-from fl_attack.store import AttackRecord, ReconstructionStore
+from fl_attack.evaluation.metrics import APPROX_PSNR_DB, EXACT_PSNR_DB
+from fl_attack.results.store import AttackRecord, ReconstructionStore
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy

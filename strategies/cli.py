@@ -62,7 +62,7 @@ def run_audit_simulation(
     -------
     Path
         The run directory, holding ``attacks.csv``, ``history.json`` and the
-        reconstructions (see :mod:`fl_attack.store`).
+        reconstructions (see :mod:`fl_attack.results.store`).
 
     Raises
     ------
@@ -76,7 +76,7 @@ def run_audit_simulation(
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
     from clients.client_app import app as client_app  # pylint: disable=import-outside-toplevel
-    from fl_attack.store import TABLE_FILE  # pylint: disable=import-outside-toplevel
+    from fl_attack.results.store import TABLE_FILE  # pylint: disable=import-outside-toplevel
     from strategies.config import resolve_run_config  # pylint: disable=import-outside-toplevel
     from strategies.server_app import create_server_app  # pylint: disable=import-outside-toplevel
 
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cpus", type=int, default=2, help="CPUs Ray may use (default 2; 1 per client)")
     args = parser.parse_args(argv)
 
-    from fl_attack.store import TABLE_FILE, load_table  # pylint: disable=import-outside-toplevel
+    from fl_attack.results.store import TABLE_FILE, load_table  # pylint: disable=import-outside-toplevel
 
     try:
         output = run_audit_simulation(

@@ -123,7 +123,7 @@ class ReconstructionScorer:
 
     @classmethod
     def from_image_data(cls, data: Any) -> ReconstructionScorer:
-        """Build from a :class:`fl_attack.datasets.ImageData`."""
+        """Build from a :class:`fl_attack.data.images.ImageData`."""
         return cls(data.images, denormalize=data.denormalize, image_shape=tuple(data.image_shape))
 
     def images(self, flat: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -159,7 +159,7 @@ class ReconstructionScorer:
         -------
         Scored
         """
-        from fl_attack.metrics import (  # pylint: disable=import-outside-toplevel
+        from fl_attack.evaluation.metrics import (  # pylint: disable=import-outside-toplevel
             evaluate_reconstruction,
         )
 

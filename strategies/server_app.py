@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
-from fl_attack.store import ReconstructionStore
+from fl_attack.results.store import ReconstructionStore
 
 from .audit import HonestButCuriousStrategy
 from .config import client_config, parse_partitions, resolve_run_config
@@ -111,8 +111,8 @@ def run_audit(
         Flower's training result and the strategy (its ``records`` and ``store`` hold
         the attacks).
     """
-    from fl_attack.datasets import load_dataset  # pylint: disable=import-outside-toplevel
-    from fl_attack.victims import build_victim  # pylint: disable=import-outside-toplevel
+    from fl_attack.data.images import load_dataset  # pylint: disable=import-outside-toplevel
+    from fl_attack.simulate.victims import build_victim  # pylint: disable=import-outside-toplevel
 
     # The server knows the task's input shape; in simulation it also holds the data,
     # which is used only to score and render reconstructions, never by the attacker.
@@ -174,7 +174,7 @@ def run_audit(
 def _write_report(store: ReconstructionStore) -> Path | None:
     """Write ``<run>/report.html``; a failure is logged and never ends the run."""
     try:
-        from fl_attack.report import write_report  # pylint: disable=import-outside-toplevel
+        from fl_attack.results.report import write_report  # pylint: disable=import-outside-toplevel
 
         path = write_report(store.directory)
     except Exception as error:  # pylint: disable=broad-exception-caught

@@ -3,7 +3,7 @@
 Every case builds a small victim (``build_victim("spear++")``), lets an honest client compute
 the float32 first-layer gradient of a batch of real images bundled with scikit-learn /
 scikit-image, inverts it and scores the result against the ground truth with
-:func:`fl_attack.metrics.evaluate_reconstruction`.
+:func:`fl_attack.evaluation.metrics.evaluate_reconstruction`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from fl_attack import Reconstruction, Spear, SpearPlusPlus
-from fl_attack.datasets import ImageData, load_dataset, sample_batch
-from fl_attack.metrics import evaluate_reconstruction
-from fl_attack.victims import build_victim, client_gradient, fedsgd_update, first_linear
+from fl_attack.data.images import ImageData, load_dataset, sample_batch
+from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.simulate.victims import build_victim, client_gradient, fedsgd_update, first_linear
 
 EXACT_DB = 90.0
 

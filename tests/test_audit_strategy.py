@@ -16,7 +16,7 @@ import torch
 
 from clients.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
 from fl_attack import Reconstruction
-from fl_attack.store import ReconstructionStore, load_table
+from fl_attack.results.store import ReconstructionStore, load_table
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from fl_attack import InvertingGradients, Reconstruction
-from fl_attack.datasets import ImageData, load_dataset, sample_batch
-from fl_attack.metrics import evaluate_reconstruction
-from fl_attack.victims import LOSSES, build_victim
+from fl_attack.data.images import ImageData, load_dataset, sample_batch
+from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.simulate.victims import LOSSES, build_victim
 
 
 @functools.lru_cache(maxsize=None)

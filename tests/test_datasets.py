@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack.datasets import (
+from fl_attack.data.images import (
     DATA_ENV_VAR,
     DATASETS,
     ImageData,

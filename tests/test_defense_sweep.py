@@ -22,7 +22,7 @@ from experiments.defense_sweep import (
     run_sweep,
     utility_of,
 )
-from fl_attack.store import TABLE_COLUMNS
+from fl_attack.results.store import TABLE_COLUMNS
 from strategies.config import resolve_run_config
 
 #: The documented schema of ``<name>.csv`` (experiments/defense_sweep.py, COLUMN_DOCS).

@@ -3,7 +3,7 @@
 Each case lets honest clients compute what the server really observes for the first linear
 layer of a small victim (real images bundled with scikit-learn / scikit-image), inverts it
 and scores the result against the ground truth with
-:func:`fl_attack.metrics.evaluate_reconstruction`:
+:func:`fl_attack.evaluation.metrics.evaluate_reconstruction`:
 
 * per-sample clipping alone only rescales the columns of ``dL/dZ`` (SPEAR App. E.6), so
   recovery stays exact;
@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from fl_attack import Reconstruction, SpearPlusPlus
-from fl_attack.attacks import NOISY_COMPLETE_MATCHING
-from fl_attack.datasets import ImageData, load_dataset, sample_batch
-from fl_attack.metrics import BatchQuality, evaluate_reconstruction
-from fl_attack.store import load_table
-from fl_attack.victims import (
+from fl_attack.attacks.spear import NOISY_COMPLETE_MATCHING
+from fl_attack.data.images import ImageData, load_dataset, sample_batch
+from fl_attack.evaluation.metrics import BatchQuality, evaluate_reconstruction
+from fl_attack.results.store import load_table
+from fl_attack.simulate.victims import (
     build_victim,
     client_gradient,
     dp_sgd_gradient,

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from fl_attack import SpearPlusPlus
-from fl_attack.datasets import load_dataset, sample_batch
-from fl_attack.metrics import match_samples
-from fl_attack.victims import (
+from fl_attack.data.images import load_dataset, sample_batch
+from fl_attack.evaluation.metrics import match_samples
+from fl_attack.simulate.victims import (
     LayerGradient,
     build_victim,
     client_gradient,

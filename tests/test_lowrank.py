@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fl_attack.datasets import load_dataset, sample_batch
-from fl_attack.lowrank import decompose, estimate_batch_size
-from fl_attack.victims import build_victim, client_gradient, first_linear, median_abs_entry, noisy_gradient
+from fl_attack.data.images import load_dataset, sample_batch
+from fl_attack.pipeline.decompose import decompose, estimate_batch_size
+from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, median_abs_entry, noisy_gradient
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack.metrics import (
+from fl_attack.evaluation.metrics import (
     PSNR_CAP_DB,
     BatchQuality,
     batch_accuracy,

@@ -15,13 +15,13 @@ import math
 import pytest
 import torch
 
-from fl_attack.datasets import ImageData, load_dataset, sample_batch
-from fl_attack.lowrank import decompose, noise_std
-from fl_attack.metrics import evaluate_reconstruction
-from fl_attack.observation import ObservedUpdate
-from fl_attack.selection import Selection, SparsityMatchingScorer, prune_doubtful
-from fl_attack.sparsity import NOISE_SIGMAS, ZeroTolerance, excess_zeros, zero_masks
-from fl_attack.victims import (
+from fl_attack.data.images import ImageData, load_dataset, sample_batch
+from fl_attack.pipeline.decompose import decompose, noise_std
+from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.types import ObservedUpdate
+from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful
+from fl_attack.pipeline.sparsity import NOISE_SIGMAS, ZeroTolerance, excess_zeros, zero_masks
+from fl_attack.simulate.victims import (
     build_victim,
     client_gradient,
     first_linear,

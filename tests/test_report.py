@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fl_attack.report import REPORT_DIRECTORY, REPORT_FILE, NotARunDirectoryError, main, write_report
-from fl_attack.store import FILE_MODE, AttackRecord, ReconstructionStore
+from fl_attack.results.report import REPORT_DIRECTORY, REPORT_FILE, NotARunDirectoryError, main, write_report
+from fl_attack.results.store import FILE_MODE, AttackRecord, ReconstructionStore
 
 DATA_PREFIX = "data:image/png;base64,"
 
@@ -297,13 +297,13 @@ def test_output_option_and_cli(run_dir: Path, tmp_path: Path, capsys: pytest.Cap
 
 
 def test_console_script_is_declared() -> None:
-    """``fl-attack-report`` is installed and points at :func:`fl_attack.report.entry_point`."""
+    """``fl-attack-report`` is installed and points at :func:`fl_attack.results.report.entry_point`."""
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8")
-    assert 'fl-attack-report = "fl_attack.report:entry_point"' in pyproject
+    assert 'fl-attack-report = "fl_attack.results.report:entry_point"' in pyproject
     scripts = importlib.metadata.entry_points(group="console_scripts")
     declared = [script for script in scripts if script.name == "fl-attack-report"]
     if declared:  # installed (pip install -e .)
-        assert declared[0].value == "fl_attack.report:entry_point"
+        assert declared[0].value == "fl_attack.results.report:entry_point"
 
 
 # ------------------------------------------------------------------ headless browser
@@ -393,14 +393,14 @@ def _png_bytes() -> bytes:
 def test_failing_report_never_ends_the_audit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ServerApp's report hook logs a failure instead of raising."""
     pytest.importorskip("flwr")
-    import fl_attack.report
+    import fl_attack.results.report
     from strategies import server_app
 
     def broken(*args: object, **kwargs: object) -> Path:
         raise RuntimeError("disk full")
 
     store = ReconstructionStore(tmp_path / "run")
-    monkeypatch.setattr(fl_attack.report, "write_report", broken)
+    monkeypatch.setattr(fl_attack.results.report, "write_report", broken)
     assert server_app._write_report(store) is None  # pylint: disable=protected-access
     monkeypatch.undo()
     assert server_app._write_report(store) == store.directory / REPORT_FILE  # pylint: disable=protected-access

@@ -14,20 +14,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fl_attack.candidates import duplicate_cos_tolerance
-from fl_attack.datasets import load_dataset, sample_batch
-from fl_attack.last_direction import scan_missing_directions
-from fl_attack.lowrank import LowRankFactors, decompose
-from fl_attack.mixtures import split_mixtures
-from fl_attack.observation import ObservedUpdate
-from fl_attack.selection import (
+from fl_attack.pipeline.candidates import duplicate_cos_tolerance
+from fl_attack.data.images import load_dataset, sample_batch
+from fl_attack.pipeline.last_direction import scan_missing_directions
+from fl_attack.pipeline.decompose import LowRankFactors, decompose
+from fl_attack.pipeline.mixtures import split_mixtures
+from fl_attack.types import ObservedUpdate
+from fl_attack.pipeline.select import (
     SparsityMatchingScorer,
     orthonormal_completion,
     select,
     sparsest_independent,
 )
-from fl_attack.sparsity import ZeroTolerance, min_sparsity, refine_on_zeros, zero_masks
-from fl_attack.victims import build_victim, client_gradient, first_linear
+from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity, refine_on_zeros, zero_masks
+from fl_attack.simulate.victims import build_victim, client_gradient, first_linear
 
 COS_EXACT = 1 - 1e-8
 

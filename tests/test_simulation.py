@@ -18,8 +18,8 @@ import torch
 from clients.data import client_data
 from clients.partition import iid_partition, label_skew_partition, partition_indices
 from clients.training import train_dpsgd, train_fedavg, train_fedsgd
-from fl_attack.store import load_table
-from fl_attack.victims import build_victim
+from fl_attack.results.store import load_table
+from fl_attack.simulate.victims import build_victim
 from strategies.config import DEFAULT_RUN_CONFIG, resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fl_attack.store import (
+from fl_attack.results.store import (
     DIRECTORY_MODE,
     FILE_MODE,
     AttackRecord,
@@ -155,7 +155,7 @@ def test_crash_while_saving_keeps_previous_files(tmp_path: Path, monkeypatch: py
     def broken_png(picture: np.ndarray) -> bytes:
         raise OSError("crash while encoding")
 
-    monkeypatch.setattr("fl_attack.store.encode_png", broken_png)
+    monkeypatch.setattr("fl_attack.results.store.encode_png", broken_png)
     with pytest.raises(OSError):
         store.save(_record(inputs=np.zeros((3, 48))))
     after = {path.name: path.read_bytes() for path in directory.iterdir()}

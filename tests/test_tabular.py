@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fl_attack import SpearPlusPlus
-from fl_attack.datasets import DATA_ENV_VAR
-from fl_attack.tabular import (
+from fl_attack.data.images import DATA_ENV_VAR
+from fl_attack.data.tabular import (
     ADULT_CLASSES,
     ADULT_FEATURES,
     CONTINUOUS,
@@ -24,7 +24,7 @@ from fl_attack.tabular import (
     sample_tabular_batch,
     score_reconstruction,
 )
-from fl_attack.victims import build_victim, client_gradient, first_linear
+from fl_attack.simulate.victims import build_victim, client_gradient, first_linear
 
 SHARED_ADULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "adult"
 ADULT_WIDTH = 6 + sum(len(c) for _, c in ADULT_FEATURES if c is not None)  # 105

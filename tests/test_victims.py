@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fl_attack import victims
-from fl_attack.victims import (
+from fl_attack.simulate import victims
+from fl_attack.simulate.victims import (
     VICTIMS,
     build_victim,
     client_gradient,

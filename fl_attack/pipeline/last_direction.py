@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from fl_attack.lowrank import LowRankFactors
-from fl_attack.sparsity import ZeroTolerance
+from fl_attack.pipeline.decompose import LowRankFactors
+from fl_attack.pipeline.sparsity import ZeroTolerance
 
 #: Upper bound on the flops spent on the ``d = 2`` scan (Cholesky screens of all patterns).
 PAIR_SCAN_FLOPS = 3e10

@@ -16,7 +16,7 @@ The raw files are those of the UCI repository: ``adult.data`` (train), ``adult.t
 with a first junk line and labels ending in ``.``) and optionally ``adult.names``; values are
 comma separated and missing values are ``?``. Like Tableak, rows with a missing value are
 dropped by default (this removes every "Never-worked" row, whose occupation is always
-missing). They are looked for like the image data of :mod:`fl_attack.datasets`: see
+missing). They are looked for like the image data of :mod:`fl_attack.data.images`: see
 :func:`adult_search_paths`.
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack.datasets import DATA_ENV_VAR, data_search_paths, index_tensor
-from fl_attack.metrics import match_samples
+from fl_attack.data.images import DATA_ENV_VAR, data_search_paths, index_tensor
+from fl_attack.evaluation.metrics import match_samples
 
 __all__ = [
     "ADULT_CLASSES",
@@ -414,7 +414,7 @@ class TabularScore:
         Fraction of true rows recovered exactly: every category right and every continuous
         value within ``exact_tolerance`` (0.5 by default: it rounds to the true integer).
     order
-        ``(B_ref,)`` int64 matching of :func:`fl_attack.metrics.match_samples`:
+        ``(B_ref,)`` int64 matching of :func:`fl_attack.evaluation.metrics.match_samples`:
         ``reconstructed[order[i]]`` is matched to ``reference[i]``, -1 when unmatched.
     num_matched
         True rows that have a reconstructed row.
@@ -451,7 +451,7 @@ def score_reconstruction(
     """Score a reconstructed tabular batch against the true one, as SPEAR Table 2 does.
 
     Rows are first matched one-to-one (Hungarian algorithm on the mean squared error of the
-    *encoded* rows, :func:`fl_attack.metrics.match_samples`, so that standardized continuous
+    *encoded* rows, :func:`fl_attack.evaluation.metrics.match_samples`, so that standardized continuous
     features and one-hot groups weigh alike), then decoded (:func:`decode_batch`) and compared
     feature by feature.
 
@@ -644,7 +644,7 @@ def adult_search_paths(root: str | Path | None = None) -> list[Path]:
     Returns
     -------
     list[Path]
-        Each base of :func:`fl_attack.datasets.data_search_paths` (``$FL_ATTACK_DATA``, the
+        Each base of :func:`fl_attack.data.images.data_search_paths` (``$FL_ATTACK_DATA``, the
         ``shared/data`` folder found above this package, ``~/.cache/fl_attack/data``) plus
         ``~/data`` and ``./data``, each followed by its ``adult/`` subfolder.
     """

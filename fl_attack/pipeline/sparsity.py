@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fl_attack.lowrank import LowRankFactors
+from fl_attack.pipeline.decompose import LowRankFactors
 
 
 #: On noisy gradients an entry within this many predicted noise deviations of 0 is a zero:

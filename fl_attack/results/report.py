@@ -1,7 +1,7 @@
 """Self-contained HTML report of an audit run directory.
 
 :func:`write_report` reads a run directory written by
-:class:`~fl_attack.store.ReconstructionStore` (``run_config.json``, ``attacks.csv``,
+:class:`~fl_attack.results.store.ReconstructionStore` (``run_config.json``, ``attacks.csv``,
 ``history.json`` and every attack's ``metrics.json`` / ``reconstruction.png``) and writes
 
 * ``<run>/report.html``: one HTML file that opens offline in any browser; every picture is
@@ -10,7 +10,7 @@
 * ``<run>/report/*.png``: the same plots as PNG files (matplotlib, Agg canvas).
 
 The report holds the run's configuration and the threat model derived from it, the share
-of client samples recovered exactly (> ``fl_attack.metrics.EXACT_PSNR_DB`` = 90 dB) and
+of client samples recovered exactly (> ``fl_attack.evaluation.metrics.EXACT_PSNR_DB`` = 90 dB) and
 approximately (> ``APPROX_PSNR_DB`` = 25 dB) overall and per round beside the global model's test
 accuracy, the PSNR distribution, the attack's time per client, the best and worst
 reconstructions beside their ground truth, per-client recovery inside secure-aggregation
@@ -45,8 +45,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from PIL import Image, ImageDraw, ImageFont
 
-from fl_attack.metrics import APPROX_PSNR_DB, EXACT_PSNR_DB
-from fl_attack.store import (
+from fl_attack.evaluation.metrics import APPROX_PSNR_DB, EXACT_PSNR_DB
+from fl_attack.results.store import (
     GRID_FILE,
     HISTORY_FILE,
     METRICS_FILE,
@@ -210,7 +210,7 @@ class _Sample:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """Read a run directory written by :class:`~fl_attack.store.ReconstructionStore`.
+    """Read a run directory written by :class:`~fl_attack.results.store.ReconstructionStore`.
 
     Parameters
     ----------
@@ -934,7 +934,7 @@ def write_report(run_dir: str | Path, *, output: str | Path | None = None) -> Pa
     Parameters
     ----------
     run_dir : str or Path
-        A run directory written by :class:`~fl_attack.store.ReconstructionStore`.
+        A run directory written by :class:`~fl_attack.results.store.ReconstructionStore`.
     output : str or Path or None (default: None)
         Where to write the HTML; None writes ``<run_dir>/report.html``. The plots go to
         ``<run_dir>/report/`` by default, or to ``<output stem>-plots/`` beside

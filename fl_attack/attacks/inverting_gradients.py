@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fl_attack.observation import ArrayLike, resolve_device
+from fl_attack.types import ArrayLike, resolve_device
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.victims import LOSSES
+from fl_attack.simulate.victims import LOSSES
 
 __all__ = ["InvertingGradients", "cosine_matching_loss", "total_variation"]
 
@@ -152,7 +152,7 @@ class InvertingGradients:
     lr_decay
         Learning-rate factor at each milestone.
     loss
-        The client's training loss: a name of :data:`fl_attack.victims.LOSSES` (``"ce"``: mean
+        The client's training loss: a name of :data:`fl_attack.simulate.victims.LOSSES` (``"ce"``: mean
         cross-entropy, ``"mse"``) or a callable ``(logits, labels) -> scalar``.
     seed
         Seed of the initializations; the same seed on the same device gives the same result.

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.lowrank import LowRankFactors
-from fl_attack.observation import ObservedUpdate
-from fl_attack.sparsity import ZeroTolerance
+from fl_attack.pipeline.decompose import LowRankFactors
+from fl_attack.types import ObservedUpdate
+from fl_attack.pipeline.sparsity import ZeroTolerance
 
 #: Residual norm below which a unit direction counts as dependent on those already chosen.
 RANK_TOLERANCE = 1e-6

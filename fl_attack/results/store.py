@@ -244,7 +244,7 @@ def make_private_directory(path: str | os.PathLike[str]) -> Path:
     return directory
 
 
-#: Upper bound of a per-tile PSNR (mirrors ``fl_attack.metrics.PSNR_CAP_DB``).
+#: Upper bound of a per-tile PSNR (mirrors ``fl_attack.evaluation.metrics.PSNR_CAP_DB``).
 _PSNR_CAP_DB = 300.0
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fl_attack.lowrank import LowRankFactors
-from fl_attack.sparsity import (
+from fl_attack.pipeline.decompose import LowRankFactors
+from fl_attack.pipeline.sparsity import (
     ZeroTolerance,
     deduplicate,
     excess_zeros,

@@ -12,15 +12,15 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from fl_attack.candidates import CandidatePool, duplicate_cos_tolerance
-from fl_attack.mixtures import split_mixtures
-from fl_attack.last_direction import scan_missing_directions
-from fl_attack.lowrank import LowRankFactors, decompose, noise_std
-from fl_attack.observation import ArrayLike, ObservedUpdate, resolve_device
+from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
+from fl_attack.pipeline.mixtures import split_mixtures
+from fl_attack.pipeline.last_direction import scan_missing_directions
+from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std
+from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.selection import Selection, SparsityMatchingScorer, prune_doubtful, select
-from fl_attack.sparsity import ZeroTolerance, kernel_of_smallest, least_squares_kernel, min_sparsity
-from fl_attack.sphere_search import (
+from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, select
+from fl_attack.pipeline.sparsity import ZeroTolerance, kernel_of_smallest, least_squares_kernel, min_sparsity
+from fl_attack.pipeline.search import (
     OPTIMIZERS,
     SphereSchedule,
     get_surrogate,
@@ -81,7 +81,7 @@ class GradientInversionAttack(ABC):
     time_budget
         Seconds after which the search stops and returns the best reconstruction so far. On
         noisy gradients the final pruning of doubtful rows
-        (:func:`fl_attack.selection.prune_doubtful`) may add up to a tenth of it (at most 30 s).
+        (:func:`fl_attack.pipeline.select.prune_doubtful`) may add up to a tenth of it (at most 30 s).
     false_rejection
         Probability of wrongly discarding a correct direction by the sparsity filter
         (SPEAR Sec. 4.1); sets the minimum zero fraction ``tau``.
@@ -93,7 +93,7 @@ class GradientInversionAttack(ABC):
     zero_tolerance_factor
         Entries below ``factor * noise`` (relative to a unit column) count as exact zeros.
     split_rounds
-        Rounds of mixture splitting (:mod:`fl_attack.mixtures`) after each selection that is
+        Rounds of mixture splitting (:mod:`fl_attack.pipeline.mixtures`) after each selection that is
         not yet accepted; 0 disables it, as in the papers.
     patience
         On noisy gradients, stop after this many rounds without a better sparsity matching.

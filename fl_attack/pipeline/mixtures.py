@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from fl_attack.lowrank import LowRankFactors
-from fl_attack.sparsity import ZeroTolerance, zero_masks
+from fl_attack.pipeline.decompose import LowRankFactors
+from fl_attack.pipeline.sparsity import ZeroTolerance, zero_masks
 
 
 def _densest_angle(angles: torch.Tensor, width: float) -> tuple[torch.Tensor, torch.Tensor]:

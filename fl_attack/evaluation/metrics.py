@@ -358,7 +358,7 @@ def evaluate_reconstruction(
         ``(B_ref, n)`` the client's true inputs, same space.
     denormalize
         Maps a ``(B, n)`` normalized batch back to ``(B, C, H, W)`` images in ``[0, 1]``
-        (e.g. :meth:`fl_attack.datasets.ImageData.denormalize`); matching and all scores are
+        (e.g. :meth:`fl_attack.data.images.ImageData.denormalize`); matching and all scores are
         computed on its output with ``data_range = 1``. When None, the data are compared as
         they are, with ``data_range`` the max-min of the reference.
     image_shape

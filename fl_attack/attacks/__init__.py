@@ -1,0 +1,24 @@
+"""Gradient-inversion attacks, registered by name.
+
+``spear++`` and ``spear`` are the exact attacks (decompose -> search -> select -> scale, in
+:mod:`fl_attack.pipeline`); :class:`InvertingGradients` is the optimisation baseline of
+Geiping et al., which needs the whole model and is therefore not a layer attack.
+"""
+
+from fl_attack.attacks.inverting_gradients import InvertingGradients
+from fl_attack.attacks.registry import LayerAttack, available_attacks, get_attack, register_attack
+from fl_attack.attacks.spear import GradientInversionAttack, Spear, SpearPlusPlus
+
+register_attack("spear++", SpearPlusPlus)
+register_attack("spear", Spear)
+
+__all__ = [
+    "GradientInversionAttack",
+    "InvertingGradients",
+    "LayerAttack",
+    "Spear",
+    "SpearPlusPlus",
+    "available_attacks",
+    "get_attack",
+    "register_attack",
+]

@@ -1,0 +1,1 @@
+"""Offline data for clients and benchmarks: images (bundled and torchvision roots) and UCI Adult."""

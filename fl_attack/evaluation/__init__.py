@@ -1,0 +1,1 @@
+"""Scoring reconstructions against the ground truth the attacker never sees."""

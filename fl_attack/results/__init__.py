@@ -1,0 +1,1 @@
+"""What an audit leaves behind: the private reconstruction store and the HTML report."""
