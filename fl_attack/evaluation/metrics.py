@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from fl_attack.vocabulary import APPROX_PSNR_DB, EXACT_PSNR_DB
+
 __all__ = [
     "PSNR_CAP_DB",
     "APPROX_PSNR_DB",
@@ -36,12 +38,6 @@ __all__ = [
 
 PSNR_CAP_DB: float = 300.0
 """Upper bound reported by :func:`psnr`; a perfect (zero-MSE) reconstruction gets exactly this."""
-
-EXACT_PSNR_DB: float = 90.0
-"""A sample recovered above this PSNR is exact up to float round-off (SPEAR++'s accuracy)."""
-
-APPROX_PSNR_DB: float = 25.0
-"""A sample above this PSNR is recognisably recovered (SPEAR++'s threshold under noise)."""
 
 _SSIM_WINDOW = 11
 _SSIM_SIGMA = 1.5
