@@ -1,9 +1,10 @@
 """Flower ClientApp: trains the received model by FedSGD, FedAvg or DP-SGD.
 
-The training configuration arrives with every message (the server forwards the run
-config's client keys, see ``strategies.config.CLIENT_KEYS``); keys missing there are
-read from ``context.run_config``. The client's data partition comes from the node
-config (``partition-id``, ``num-partitions``) set by the simulation engine.
+The training hyper-parameters arrive with every message (the server forwards them); the
+client's data (dataset, data root, partitioning) comes only from the client's own run
+config and node config, so a server can never point a client at a path on its disk.
+Ground truth for scoring is sent only when the client opted in (its node config, or
+:data:`simulation_app`, the app built for simulations): never because the server asks.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .data import ClientData, client_data
-from .protocol import (
+from fl_attack.audit.protocol import (
     ARRAYS_KEY,
     AUDIT_KEY,
     CONFIG_KEY,
@@ -28,25 +27,39 @@ from .protocol import (
     SAMPLE_INDICES_KEY,
     TRAIN_MODE_KEY,
 )
-from .training import TrainOutcome, evaluate_model, train_dpsgd, train_fedavg, train_fedsgd
+from fl_attack.simulate.training import TrainOutcome, evaluate_model, train_dpsgd, train_fedavg, train_fedsgd
 
-app = ClientApp()
+from .data import ClientData, client_data
+from .ground_truth import ground_truth_enabled
+
+#: Keys a client takes only from its own configuration, never from a server's message.
+LOCAL_KEYS = frozenset(
+    {
+        "dataset",
+        "data-root",
+        "dataset-limit",
+        "partitioning",
+        "labels-per-client",
+        "samples-per-client",
+        "partition-seed",
+    }
+)
 
 
 class _Settings:
     """Typed read access to the message config with the run config as fallback."""
 
-    def __init__(self, message: Message, context: Context) -> None:
+    def __init__(self, message: Message, context: Context, local: Mapping[str, Any]) -> None:
         record = message.content.get(CONFIG_KEY)
-        self._primary: Mapping[str, Any] = record if isinstance(record, ConfigRecord) else {}
-        self._fallback: Mapping[str, Any] = context.run_config
+        self._message: Mapping[str, Any] = record if isinstance(record, ConfigRecord) else {}
+        self._local: dict[str, Any] = {**context.run_config, **local}
 
     def get(self, key: str) -> Any:
-        if key in self._primary:
-            return self._primary[key]
-        if key in self._fallback:
-            return self._fallback[key]
-        raise KeyError(f"config key '{key}' is neither in the message config nor the run config")
+        if key not in LOCAL_KEYS and key in self._message:
+            return self._message[key]
+        if key in self._local:
+            return self._local[key]
+        raise KeyError(f"config key '{key}' is neither in the message config nor the client's run config")
 
     def integer(self, key: str) -> int:
         return int(self.get(key))
@@ -141,17 +154,16 @@ def _train(
     raise ValueError(f"unknown train-mode {mode!r}; use 'fedsgd', 'fedavg' or 'dpsgd'")
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def _train_reply(msg: Message, context: Context, local: Mapping[str, Any], simulation: bool) -> Message:
     """Train the received model on the local data and reply with the new weights.
 
-    The reply holds the trained ArrayRecord, a MetricRecord with ``num-examples`` and
-    ``train-loss``, and (simulation only) an audit ConfigRecord with the partition id,
-    the training mode and, when ``audit-ground-truth`` is on, the dataset indices of
-    the samples trained on.
+    The reply holds the trained ArrayRecord and a MetricRecord with ``num-examples`` and
+    ``train-loss``; only where the client opted in to ground truth, also an audit
+    ConfigRecord with the partition id, the training mode and the dataset indices of the
+    samples trained on.
     """
     torch.set_num_threads(1)
-    settings = _Settings(msg, context)
+    settings = _Settings(msg, context, local)
     data = _load(settings, context)
     model = _model(settings, data, msg.content[ARRAYS_KEY])
     partition_id, _ = _partition(context)
@@ -161,30 +173,61 @@ def train(msg: Message, context: Context) -> Message:
     seed = [settings.integer("client-seed"), partition_id, server_round]
     outcome = _train(mode, settings, model, data, seed)
 
-    audit: dict[str, Any] = {PARTITION_ID_KEY: partition_id, TRAIN_MODE_KEY: mode}
-    if settings.flag("audit-ground-truth") and outcome.sample_indices:
-        audit[SAMPLE_INDICES_KEY] = outcome.sample_indices
     content = RecordDict(
         {
             ARRAYS_KEY: ArrayRecord(outcome.state_dict),
-            METRICS_KEY: MetricRecord(
-                {NUM_EXAMPLES_KEY: outcome.num_examples, "train-loss": outcome.loss}
-            ),
-            AUDIT_KEY: ConfigRecord(audit),
+            METRICS_KEY: MetricRecord({NUM_EXAMPLES_KEY: outcome.num_examples, "train-loss": outcome.loss}),
         }
     )
+    # the run config may switch ground truth off; only the client's own side can switch it on
+    if ground_truth_enabled(context, simulation=simulation) and settings.flag("audit-ground-truth"):
+        audit: dict[str, Any] = {PARTITION_ID_KEY: partition_id, TRAIN_MODE_KEY: mode}
+        if outcome.sample_indices:
+            audit[SAMPLE_INDICES_KEY] = outcome.sample_indices
+        content[AUDIT_KEY] = ConfigRecord(audit)
     return Message(content=content, reply_to=msg)
 
 
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
+def _evaluate_reply(msg: Message, context: Context, local: Mapping[str, Any]) -> Message:
     """Evaluate the received model on the local data."""
     torch.set_num_threads(1)
-    settings = _Settings(msg, context)
+    settings = _Settings(msg, context, local)
     data = _load(settings, context)
     model = _model(settings, data, msg.content[ARRAYS_KEY])
     loss, accuracy = evaluate_model(model, data.images, data.labels, data.indices)
-    metrics = MetricRecord(
-        {NUM_EXAMPLES_KEY: len(data.indices), "eval-loss": loss, "eval-acc": accuracy}
-    )
+    metrics = MetricRecord({NUM_EXAMPLES_KEY: len(data.indices), "eval-loss": loss, "eval-acc": accuracy})
     return Message(content=RecordDict({METRICS_KEY: metrics}), reply_to=msg)
+
+
+def create_client_app(local: Mapping[str, Any] | None = None, *, ground_truth: bool = False) -> ClientApp:
+    """This project's ClientApp.
+
+    Parameters
+    ----------
+    local : Mapping[str, Any] or None (default: None)
+        The client's own settings on top of its ``context.run_config`` (a simulation passes
+        its resolved run config here).
+    ground_truth : bool (default: False)
+        Report the samples trained on, for scoring (simulations); otherwise only a node
+        config with ``audit-ground-truth=true`` enables it.
+    """
+    client_app = ClientApp()
+    settings = dict(local or {})
+
+    @client_app.train()
+    def train(msg: Message, context: Context) -> Message:
+        """Train the received model on the local data and reply with the new weights."""
+        return _train_reply(msg, context, settings, ground_truth)
+
+    @client_app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        """Evaluate the received model on the local data."""
+        return _evaluate_reply(msg, context, settings)
+
+    return client_app
+
+
+#: For deployments: ground truth only where a node config opts in.
+app = create_client_app()
+#: For simulations (``flwr run .`` locally, ``fl-attack-audit``): ground truth for scoring.
+simulation_app = create_client_app(ground_truth=True)

@@ -7,9 +7,7 @@ import numpy as np
 PARTITIONINGS = ("iid", "label-skew")
 
 
-def iid_partition(
-    num_samples: int, *, num_partitions: int, partition_id: int, seed: int = 0
-) -> np.ndarray:
+def iid_partition(num_samples: int, *, num_partitions: int, partition_id: int, seed: int = 0) -> np.ndarray:
     """Indices of one client's share of a uniformly shuffled dataset.
 
     Parameters

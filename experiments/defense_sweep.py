@@ -556,7 +556,7 @@ def run_point(
 
     from fl_attack.results.store import HISTORY_FILE, TABLE_FILE, load_table  # pylint: disable=import-outside-toplevel
     from strategies.cli import run_audit_simulation  # pylint: disable=import-outside-toplevel
-    from strategies.config import resolve_run_config  # pylint: disable=import-outside-toplevel
+    from strategies.run_config import resolve_run_config  # pylint: disable=import-outside-toplevel
 
     config = resolve_run_config({}, overrides)
     run_dir = Path(str(config["output-dir"]))
@@ -657,7 +657,7 @@ def run_sweep(
     ValueError
         On invalid settings (checked for every point before any simulation starts).
     """
-    from strategies.config import resolve_run_config  # pylint: disable=import-outside-toplevel
+    from strategies.run_config import resolve_run_config  # pylint: disable=import-outside-toplevel
 
     out = stream if stream is not None else sys.stderr
     values = list(values)

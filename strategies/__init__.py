@@ -1,35 +1,34 @@
-"""Server side of fl-attack: an honest-but-curious strategy wrapper and the ServerApp."""
+"""Flower server side of fl-attack: the honest-but-curious strategy wrapper and the ServerApp.
 
-from .attack_runner import (
-    AttackResult,
-    AttackRunner,
-    Attacker,
-    ProcessAttackRunner,
-    ThreadAttackRunner,
-    make_runner,
-    run_attack,
+One line audits any Message-API strategy::
+
+    strategy = HonestButCuriousStrategy.from_context(FedAvg(...), context)
+
+Everything the audit does lives in the framework-free :class:`fl_attack.audit.Auditor`.
+"""
+
+from .factory import build_attacker, build_auditor, build_store
+from .honest_but_curious import HonestButCuriousStrategy
+from .run_config import (
+    AUDIT_KEYS,
+    CLIENT_KEYS,
+    DEFAULT_RUN_CONFIG,
+    SETTINGS,
+    RunConfigError,
+    resolve_audit_config,
+    resolve_run_config,
 )
-from .audit import HonestButCuriousStrategy
-from .config import CLIENT_KEYS, DEFAULT_RUN_CONFIG, resolve_run_config
-from .ground_truth import ReconstructionScorer
-from .layer import LayerKeys, LayerNotFoundError, LayerUpdate, layer_update, select_layer
 
 __all__ = [
-    "AttackResult",
-    "AttackRunner",
-    "Attacker",
+    "AUDIT_KEYS",
     "CLIENT_KEYS",
     "DEFAULT_RUN_CONFIG",
     "HonestButCuriousStrategy",
-    "LayerKeys",
-    "LayerNotFoundError",
-    "LayerUpdate",
-    "ProcessAttackRunner",
-    "ReconstructionScorer",
-    "ThreadAttackRunner",
-    "layer_update",
-    "make_runner",
+    "RunConfigError",
+    "SETTINGS",
+    "build_attacker",
+    "build_auditor",
+    "build_store",
+    "resolve_audit_config",
     "resolve_run_config",
-    "run_attack",
-    "select_layer",
 ]

@@ -10,14 +10,43 @@ defense sweep (``python -m experiments.defense_sweep``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import shlex
 import sys
 import time
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import tomllib
 from flwr.app import UserConfigValue
+
+#: The ClientApp factory of this project's app, named like pyproject's components (the server
+#: side never imports the client package).
+CLIENT_APP_FACTORY = "clients.client_app:create_client_app"
+
+
+def _load_attribute(reference: str) -> Any:
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def check_data(config: Mapping[str, UserConfigValue]) -> None:
+    """Fail fast, before Ray starts, when the run's dataset cannot be loaded.
+
+    Raises
+    ------
+    ValueError
+        With one line naming the dataset and how to get it.
+    """
+    from fl_attack.data.images import load_dataset
+
+    name, root = str(config["dataset"]), str(config["data-root"]) or None
+    try:
+        load_dataset(name, root=root, split="train", limit=1)
+    except (FileNotFoundError, ValueError) as error:
+        first = str(error).splitlines()[0]
+        raise ValueError(f"dataset {name!r} cannot be loaded: {first}") from None
 
 
 class AuditSimulationError(RuntimeError):
@@ -75,10 +104,9 @@ def run_audit_simulation(
     """
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
-    from clients.client_app import app as client_app  # pylint: disable=import-outside-toplevel
-    from fl_attack.results.store import TABLE_FILE  # pylint: disable=import-outside-toplevel
-    from strategies.config import resolve_run_config  # pylint: disable=import-outside-toplevel
-    from strategies.server_app import create_server_app  # pylint: disable=import-outside-toplevel
+    from fl_attack.results.store import TABLE_FILE
+    from strategies.run_config import resolve_run_config
+    from strategies.server_app import create_server_app
 
     if num_supernodes < 1:
         raise ValueError(f"num_supernodes must be positive, got {num_supernodes}")
@@ -90,10 +118,12 @@ def run_audit_simulation(
         settings["output-dir"] = str(Path("outputs") / time.strftime("audit-%Y%m%d-%H%M%S"))
     output = Path(str(settings["output-dir"])).resolve()
     settings["output-dir"] = str(output)
-    resolve_run_config({}, settings)  # fail here, not inside the ServerApp thread
+    resolved = resolve_run_config({}, settings)  # fail here, not inside the ServerApp thread
+    check_data(resolved)
+    create_client_app = _load_attribute(CLIENT_APP_FACTORY)
     run_simulation(
         server_app=create_server_app(settings),
-        client_app=client_app,
+        client_app=create_client_app(resolved, ground_truth=True),
         num_supernodes=num_supernodes,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
@@ -105,38 +135,90 @@ def run_audit_simulation(
     return output
 
 
+def _share(rows: list[dict[str, str]]) -> float | None:
+    """Share of scored client samples recovered exactly, over the run."""
+    scored = [row for row in rows if row.get("num_references") and row.get("exact_fraction")]
+    total = sum(int(row["num_references"]) for row in scored)
+    if total == 0:
+        return None
+    return sum(float(row["exact_fraction"]) * int(row["num_references"]) for row in scored) / total
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the audit; print where its results are; return the process exit code."""
+    """Run the audit; print where its results are; return the process exit code.
+
+    Exit codes: 0 done, 1 the run failed, 2 bad settings, 3 the leakage gate
+    (``--fail-above``) was exceeded.
+    """
     parser = argparse.ArgumentParser(
         prog="fl-attack-audit",
         description="Audit a simulated Flower federation with the embedded SPEAR++ attacker.",
     )
-    parser.add_argument("-c", "--run-config", default="",
-                        help='run-config overrides, e.g. "num-server-rounds=3 dataset=\'digits\'"')
+    parser.add_argument(
+        "-c",
+        "--run-config",
+        default="",
+        help="run-config overrides, e.g. \"num-server-rounds=3 dataset='digits'\"",
+    )
     parser.add_argument("--num-supernodes", type=int, default=3, help="simulated clients (default 3)")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs Ray may use (default 2; 1 per client)")
+    parser.add_argument(
+        "--fail-above",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="leakage gate for CI: exit 3 when more than this share of samples was recovered exactly",
+    )
     args = parser.parse_args(argv)
+    if args.fail_above is not None and not 0.0 <= args.fail_above <= 1.0:
+        print(
+            f"fl-attack-audit: --fail-above must be a share in [0, 1], got {args.fail_above}", file=sys.stderr
+        )
+        return 2
 
-    from fl_attack.results.store import TABLE_FILE, load_table  # pylint: disable=import-outside-toplevel
+    from fl_attack.results.store import TABLE_FILE, load_table
+    from fl_attack.vocabulary import VERDICTS, format_psnr
 
     try:
-        output = run_audit_simulation(
-            parse_overrides(args.run_config), num_supernodes=args.num_supernodes, cpus=args.cpus
-        )
+        overrides = parse_overrides(args.run_config)
+        from strategies.run_config import resolve_run_config
+
+        resolve_run_config({}, overrides)
+    except ValueError as error:
+        print(f"fl-attack-audit: {error}", file=sys.stderr)
+        return 2
+    try:
+        output = run_audit_simulation(overrides, num_supernodes=args.num_supernodes, cpus=args.cpus)
     except (ValueError, AuditSimulationError) as error:
         print(f"fl-attack-audit: {error}", file=sys.stderr)
         return 1
     rows = load_table(output / TABLE_FILE)
-    exact = sum(1 for row in rows if row.get("min_psnr") and float(row["min_psnr"]) > 90.0)
+    counts = {verdict: sum(1 for row in rows if row.get("verdict") == verdict) for verdict in VERDICTS}
+    share = _share(rows)
     print(f"\nAudit results: {output}")
-    print(f"  {len(rows)} client updates attacked, {exact} recovered exactly (every sample > 90 dB)")
+    print(
+        f"  {len(rows)} client updates attacked: "
+        + ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
+    )
+    if share is not None:
+        print(f"  {100.0 * share:.0f}% of the clients' samples recovered exactly (PSNR > 90 dB)")
     for row in rows:
-        print(f"  round {row['round']} {row['client']}: status={row['status']} "
-              f"mean PSNR={row.get('mean_psnr', '')} complete={row.get('complete', '')} "
-              f"seconds={row.get('seconds', '')}")
+        mean = float(row["mean_psnr"]) if row.get("mean_psnr") else None
+        print(
+            f"  round {row['round']} {row['client']}: {row.get('verdict') or row['status']}"
+            f" (mean PSNR {format_psnr(mean)}, {float(row.get('seconds') or 0):.1f} s)"
+            f" - {row.get('verdict_reason', '')}"
+        )
     report = output / "report.html"
     if report.exists():
         print(f"  report: {report}")
+    if args.fail_above is not None and share is not None and share > args.fail_above:
+        print(
+            f"fl-attack-audit: leakage gate failed: {100.0 * share:.1f}% of samples recovered exactly "
+            f"(allowed {100.0 * args.fail_above:.1f}%)",
+            file=sys.stderr,
+        )
+        return 3
     return 0
 
 

@@ -11,12 +11,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord, MetricRecord
 from torch import nn
 
-from clients.training import evaluate_model
-from flwr.app import ArrayRecord, MetricRecord
-
-from .layer import canonical_key
+from fl_attack.audit.layer import canonical_key
+from fl_attack.simulate.training import evaluate_model
 
 #: Samples scored per forward pass, so large test splits fit in memory.
 EVALUATION_CHUNK = 2048

@@ -19,48 +19,18 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
+from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.store import ReconstructionStore
 
-from .audit import HonestButCuriousStrategy
-from .config import client_config, parse_partitions, resolve_run_config
 from .evaluation import make_test_evaluator
-from .ground_truth import ReconstructionScorer
-
-#: Extra seconds granted on top of 1.5 times the time budget before an attack is given up.
-TIMEOUT_GRACE = 15.0
-
-
-def attack_timeout(config: Mapping[str, UserConfigValue]) -> float:
-    """Hard per-attack limit: ``attack-timeout``, or ``1.5 * attack-time-budget + 15`` s."""
-    explicit = float(config["attack-timeout"])  # type: ignore[arg-type]
-    if explicit > 0:
-        return explicit
-    return 1.5 * float(config["attack-time-budget"]) + TIMEOUT_GRACE  # type: ignore[arg-type]
-
-
-def build_store(config: Mapping[str, UserConfigValue]) -> ReconstructionStore:
-    """Open the run directory (``output-dir`` or ``outputs/<timestamp>``) with the config."""
-    output_dir = str(config["output-dir"]) or None
-    return ReconstructionStore.create(output_dir, run_config=dict(config))
-
-
-def build_attacker(config: Mapping[str, UserConfigValue]) -> Any:
-    """The embedded SPEAR++ attacker (CUDA when available unless ``attack-device`` says)."""
-    from fl_attack import SpearPlusPlus  # pylint: disable=import-outside-toplevel
-
-    return SpearPlusPlus(
-        device=str(config["attack-device"]),
-        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
-        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
-        progress=False,
-    )
+from .factory import build_auditor, build_store
+from .honest_but_curious import HonestButCuriousStrategy
+from .run_config import AUDIT_KEYS, client_config, resolve_run_config
 
 
 def build_strategy(
     config: Mapping[str, UserConfigValue],
     *,
-    attacker: Any,
-    store: ReconstructionStore | None,
     scorer: ReconstructionScorer | None,
 ) -> HonestButCuriousStrategy | FedAvg:
     """FedAvg, wrapped by the honest-but-curious auditor when ``attack-enabled``."""
@@ -74,23 +44,8 @@ def build_strategy(
     )
     if not config["attack-enabled"]:
         return fedavg
-    batch_size = int(config["attack-batch-size"])  # type: ignore[arg-type]
-    return HonestButCuriousStrategy(
-        fedavg,
-        attacker,
-        store=store,
-        scorer=scorer,
-        weight_key=str(config["attack-weight-key"]) or None,
-        bias_key=str(config["attack-bias-key"]) or None,
-        attack_fraction=float(config["attack-fraction"]),  # type: ignore[arg-type]
-        attack_partitions=parse_partitions(str(config["attack-partitions"])),
-        batch_size=batch_size or None,
-        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
-        timeout=attack_timeout(config),
-        isolation=str(config["attack-isolation"]),
-        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
-        secagg_group_size=int(config["secagg-group-size"]),  # type: ignore[arg-type]
-    )
+    audit = {key: config[key] for key in AUDIT_KEYS}
+    return HonestButCuriousStrategy(fedavg, build_auditor(audit, scorer=scorer, store=build_store(config)))
 
 
 def run_audit(
@@ -144,10 +99,9 @@ def run_audit(
         )
         evaluate_fn = make_test_evaluator(copy.deepcopy(model), test.images, test.labels)
 
-    store = build_store(config) if config["attack-enabled"] else None
-    attacker = build_attacker(config) if config["attack-enabled"] else None
     scorer = ReconstructionScorer.from_image_data(data)
-    strategy = build_strategy(config, attacker=attacker, store=store, scorer=scorer)
+    strategy = build_strategy(config, scorer=scorer)
+    store = strategy.auditor.store if isinstance(strategy, HonestButCuriousStrategy) else None
     if store is not None:
         log(INFO, "Reconstructions are stored in %s", store.directory)
 
@@ -225,8 +179,8 @@ def _log_audit(strategy: HonestButCuriousStrategy) -> None:
         else:
             outcome = f"{0 if record.inputs is None else len(record.inputs)} inputs (not scored)"
         log(INFO, "\tround %d %s: %s (%.1fs)", record.server_round, record.client, outcome, record.seconds)
-    if strategy.store is not None:
-        log(INFO, "Audit table: %s", strategy.store.table_path)
+    if strategy.auditor.store is not None:
+        log(INFO, "Audit table: %s", strategy.auditor.store.table_path)
 
 
 def create_server_app(overrides: Mapping[str, UserConfigValue] | None = None) -> ServerApp:

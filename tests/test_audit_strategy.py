@@ -14,18 +14,21 @@ import numpy as np
 import pytest
 import torch
 
-from clients.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
+from fl_attack.audit import Auditor, LayerNotFoundError
+from fl_attack.audit import select_layer as _select_layer
+
+
+def select_layer(record: ArrayRecord, **keys: Any) -> Any:
+    """The layer chosen among a Flower record's arrays."""
+    return _select_layer({key: value.numpy() for key, value in record.items()}, **keys)
+from fl_attack.audit.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
+from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack import Reconstruction
 from fl_attack.results.store import ReconstructionStore, load_table
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
-from strategies import (
-    HonestButCuriousStrategy,
-    LayerNotFoundError,
-    ReconstructionScorer,
-    select_layer,
-)
+from strategies import HonestButCuriousStrategy
 
 INPUT_DIM, WIDTH, CLASSES = 12, 6, 3
 
@@ -146,6 +149,10 @@ def _configure(strategy: HonestButCuriousStrategy, arrays: dict[str, np.ndarray]
     assert len(messages) == 3
 
 
+def _audited(inner: Any, attacker: Any, **options: Any) -> HonestButCuriousStrategy:
+    return HonestButCuriousStrategy(inner, Auditor(attacker, **options))
+
+
 def _fedavg() -> FedAvg:
     return FedAvg(min_train_nodes=2, min_available_nodes=2, min_evaluate_nodes=2)
 
@@ -154,7 +161,7 @@ def test_attacker_receives_exact_first_layer_delta() -> None:
     global_arrays = _global_arrays()
     clients = {11: _client_arrays(global_arrays, 1), 22: _client_arrays(global_arrays, 2)}
     attacker = RecordingAttacker()
-    strategy = HonestButCuriousStrategy(_fedavg(), attacker, time_budget=5.0, batch_size=4)
+    strategy = _audited(_fedavg(), attacker, time_budget=5.0, batch_size=4)
     _configure(strategy, global_arrays)
     replies = [_reply(node, arrays, partition_id=node // 11 - 1) for node, arrays in clients.items()]
 
@@ -188,7 +195,7 @@ def test_aggregation_is_exactly_the_inner_strategys() -> None:
         del reply.content[AUDIT_KEY]
 
     alone_arrays, alone_metrics = _fedavg().aggregate_train(1, plain_replies)
-    strategy = HonestButCuriousStrategy(_fedavg(), RecordingAttacker())
+    strategy = _audited(_fedavg(), RecordingAttacker())
     _configure(strategy, global_arrays)
     audited_arrays, audited_metrics = strategy.aggregate_train(1, replies)
 
@@ -215,7 +222,7 @@ def test_attack_failures_are_recorded_and_training_continues(
 ) -> None:
     global_arrays = _global_arrays()
     store = ReconstructionStore(tmp_path / "run")
-    strategy = HonestButCuriousStrategy(_fedavg(), FailingAttacker(error), store=store)
+    strategy = _audited(_fedavg(), FailingAttacker(error), store=store)
     _configure(strategy, global_arrays)
     replies = [_reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate((11, 22))]
     expected, _ = _fedavg().aggregate_train(1, copy.deepcopy(replies))
@@ -234,7 +241,7 @@ def test_attack_failures_are_recorded_and_training_continues(
 def test_attack_timeout_is_recorded_and_training_continues() -> None:
     global_arrays = _global_arrays()
     attacker = SlowAttacker(seconds=30.0)
-    strategy = HonestButCuriousStrategy(_fedavg(), attacker, timeout=0.2)
+    strategy = _audited(_fedavg(), attacker, timeout=0.2)
     _configure(strategy, global_arrays)
     replies = [_reply(11, _client_arrays(global_arrays, 1)), _reply(22, _client_arrays(global_arrays, 2))]
     start = time.perf_counter()
@@ -250,7 +257,7 @@ def test_attack_timeout_is_recorded_and_training_continues() -> None:
 
 def test_unreadable_reply_is_recorded() -> None:
     global_arrays = _global_arrays()
-    strategy = HonestButCuriousStrategy(_fedavg(), RecordingAttacker())
+    strategy = _audited(_fedavg(), RecordingAttacker())
     _configure(strategy, global_arrays)
     shrunk = _client_arrays(global_arrays, 1)
     shrunk["0.bias"] = shrunk["0.bias"][:-1]
@@ -260,7 +267,7 @@ def test_unreadable_reply_is_recorded() -> None:
 
 
 def test_wrong_layer_name_lists_available_keys() -> None:
-    strategy = HonestButCuriousStrategy(_fedavg(), RecordingAttacker(), weight_key="fc1.weight")
+    strategy = _audited(_fedavg(), RecordingAttacker(), weight_key="fc1.weight")
     with pytest.raises(LayerNotFoundError) as raised:
         _configure(strategy, _global_arrays())
     message = str(raised.value)
@@ -287,7 +294,7 @@ def test_opacus_module_prefix_is_stripped() -> None:
     assert select_layer(prefixed_global, weight_key="_module.0.weight").bias == "0.bias"
 
     attacker = RecordingAttacker()
-    strategy = HonestButCuriousStrategy(_fedavg(), attacker, weight_key="_module.0.weight")
+    strategy = _audited(_fedavg(), attacker, weight_key="_module.0.weight")
     _configure(strategy, global_arrays)
     client = _client_arrays(global_arrays, 1)
     strategy.aggregate_train(1, [_reply(11, client, prefix="_module.")])
@@ -307,17 +314,17 @@ def test_attack_selection_by_partition_and_fraction() -> None:
     def replies() -> list[Message]:
         return [_reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate(nodes)]
 
-    chosen = HonestButCuriousStrategy(_fedavg(), RecordingAttacker(), attack_partitions=[1, 3])
+    chosen = _audited(_fedavg(), RecordingAttacker(), attack_partitions=[1, 3])
     _configure(chosen, global_arrays)
     chosen.aggregate_train(1, replies())
     assert [record.client for record in chosen.records] == ["partition-1", "partition-3"]
 
-    half = HonestButCuriousStrategy(_fedavg(), RecordingAttacker(), attack_fraction=0.5, seed=3)
+    half = _audited(_fedavg(), RecordingAttacker(), attack_fraction=0.5, seed=3)
     _configure(half, global_arrays)
     half.aggregate_train(1, replies())
     assert len(half.records) == 2
 
-    none = HonestButCuriousStrategy(_fedavg(), RecordingAttacker(), attack_fraction=0.0)
+    none = _audited(_fedavg(), RecordingAttacker(), attack_fraction=0.0)
     _configure(none, global_arrays)
     arrays, _ = none.aggregate_train(1, replies())
     assert none.records == [] and arrays is not None
@@ -330,7 +337,7 @@ def test_error_replies_are_skipped_and_passed_on() -> None:
     instruction = Message(RecordDict(), dst_node_id=33, message_type=MessageType.TRAIN)
     failed = Message(Error(code=0, reason="client crashed"), reply_to=instruction)
     attacker = RecordingAttacker()
-    strategy = HonestButCuriousStrategy(_fedavg(), attacker)
+    strategy = _audited(_fedavg(), attacker)
     _configure(strategy, global_arrays)
     arrays, _ = strategy.aggregate_train(
         1, [_reply(11, _client_arrays(global_arrays, 1)), _reply(22, _client_arrays(global_arrays, 2)), failed]
@@ -351,7 +358,7 @@ def test_ground_truth_scoring_and_storage(tmp_path: Path) -> None:
         image_shape=(1, 3, 4),
     )
     store = ReconstructionStore(tmp_path / "run", run_config={"dataset": "synthetic"})
-    strategy = HonestButCuriousStrategy(_fedavg(), attacker, store=store, scorer=scorer)
+    strategy = _audited(_fedavg(), attacker, store=store, scorer=scorer)
     global_arrays = _global_arrays()
     _configure(strategy, global_arrays)
     strategy.aggregate_train(
@@ -391,7 +398,7 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
         denormalize=lambda x: (torch.as_tensor(x) * 0.1 + 0.5).reshape(-1, 1, 3, 4),
         image_shape=(1, 3, 4),
     )
-    strategy = HonestButCuriousStrategy(
+    strategy = _audited(
         _fedavg(), attacker, scorer=scorer, secagg_group_size=2, batch_size=4
     )
     global_arrays = _global_arrays()
@@ -422,13 +429,13 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
 
 
 def test_secure_aggregation_group_size_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="secagg_group_size must be at least 1"):
-        HonestButCuriousStrategy(_fedavg(), RecordingAttacker(), secagg_group_size=0)
+    with pytest.raises(ValueError, match="secagg_group_size must be a positive integer"):
+        _audited(_fedavg(), RecordingAttacker(), secagg_group_size=0)
 
 
 def test_evaluation_is_delegated() -> None:
     inner = _fedavg()
-    strategy = HonestButCuriousStrategy(inner, RecordingAttacker())
+    strategy = _audited(inner, RecordingAttacker())
     instruction = Message(RecordDict(), dst_node_id=11, message_type=MessageType.EVALUATE)
     replies = [
         Message(RecordDict({"metrics": MetricRecord({"num-examples": 2, "eval-acc": 0.5})}), reply_to=instruction)
@@ -458,8 +465,8 @@ class PicklableAttacker:
 
 
 def test_process_isolation_kills_timeouts_and_recovers() -> None:
-    from strategies.attack_runner import ProcessAttackRunner
-    from strategies.layer import LayerUpdate
+    from fl_attack.audit.layer import LayerDelta as LayerUpdate
+    from fl_attack.audit.workers import ProcessAttackRunner
 
     rng = np.random.default_rng(0)
     update = LayerUpdate(

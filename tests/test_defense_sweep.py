@@ -23,7 +23,7 @@ from experiments.defense_sweep import (
     utility_of,
 )
 from fl_attack.results.store import TABLE_COLUMNS
-from strategies.config import resolve_run_config
+from strategies.run_config import resolve_run_config
 
 #: The documented schema of ``<name>.csv`` (experiments/defense_sweep.py, COLUMN_DOCS).
 DOCUMENTED_COLUMNS = [

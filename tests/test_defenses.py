@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from strategies.run_config import resolve_run_config
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.attacks.spear import NOISY_COMPLETE_MATCHING
 from fl_attack.data.images import ImageData, load_dataset, sample_batch
@@ -258,12 +259,14 @@ def _simulate(tmp_path: Path, overrides: dict, client_app=None) -> list[dict[str
 
     from strategies.server_app import create_server_app
 
-    if client_app is None:
-        from clients.client_app import app as client_app
-
     output = tmp_path / "run"
+    settings = {**SIM_BASE, **overrides, "output-dir": str(output)}
+    if client_app is None:
+        from clients.client_app import create_client_app
+
+        client_app = create_client_app(resolve_run_config({}, settings), ground_truth=True)
     run_simulation(
-        server_app=create_server_app({**SIM_BASE, **overrides, "output-dir": str(output)}),
+        server_app=create_server_app(settings),
         client_app=client_app,
         num_supernodes=2,
         backend_config={
@@ -293,7 +296,7 @@ def test_simulation_recovers_fedavg_clients(tmp_path: Path) -> None:
         assert float(row["approx_fraction"]) == 1.0, row
 
 
-def _opacus_keys_client_app(marker_dir: str):
+def _opacus_keys_client_app(marker_dir: str, settings: dict):
     """The project's ClientApp, but replying with Opacus' ``GradSampleModule`` keys (``_module.``).
 
     Built in a function so that the simulation's workers receive it by value.
@@ -306,10 +309,10 @@ def _opacus_keys_client_app(marker_dir: str):
     def train(msg, context):
         from flwr.app import ArrayRecord
 
-        from clients import client_app
-        from clients.protocol import ARRAYS_KEY
+        from clients.client_app import _train_reply
+        from fl_attack.audit.protocol import ARRAYS_KEY
 
-        reply = client_app.train(msg, context)
+        reply = _train_reply(msg, context, settings, True)
         state = reply.content[ARRAYS_KEY].to_torch_state_dict()
         prefixed = {f"_module.{key}": value for key, value in state.items()}
         reply.content[ARRAYS_KEY] = ArrayRecord(prefixed)
@@ -330,18 +333,17 @@ def test_simulation_recovers_dpsgd_clipping_only_clients_exactly(tmp_path: Path)
 
     markers = tmp_path / "markers"
     markers.mkdir()
+    overrides = {
+        "train-mode": "dpsgd",
+        "noise-multiplier": 0.0,
+        "max-grad-norm": max_grad_norm,
+        "poisson-sampling": False,
+        "local-epochs": 1,
+        "mini-batch-size": 6,
+        "local-lr": 0.1,
+    }
     rows = _simulate(
-        tmp_path,
-        {
-            "train-mode": "dpsgd",
-            "noise-multiplier": 0.0,
-            "max-grad-norm": max_grad_norm,
-            "poisson-sampling": False,
-            "local-epochs": 1,
-            "mini-batch-size": 6,
-            "local-lr": 0.1,
-        },
-        client_app=_opacus_keys_client_app(str(markers)),
+        tmp_path, overrides, client_app=_opacus_keys_client_app(str(markers), resolve_run_config({}, {**SIM_BASE, **overrides}))
     )
     # the server really received Opacus' prefixed keys ...
     for partition in (0, 1):
@@ -350,5 +352,6 @@ def test_simulation_recovers_dpsgd_clipping_only_clients_exactly(tmp_path: Path)
     # ... and attacked the right layer anyway
     for row in rows:
         assert row["complete"] == "True", row
+        assert row["verdict"] == "exact", row
         assert int(row["batch_size"]) == 6, row
         assert float(row["min_psnr"]) > EXACT_DB, row

@@ -17,10 +17,10 @@ import torch
 
 from clients.data import client_data
 from clients.partition import iid_partition, label_skew_partition, partition_indices
-from clients.training import train_dpsgd, train_fedavg, train_fedsgd
+from fl_attack.simulate.training import train_dpsgd, train_fedavg, train_fedsgd
 from fl_attack.results.store import load_table
 from fl_attack.simulate.victims import build_victim
-from strategies.config import DEFAULT_RUN_CONFIG, resolve_run_config
+from strategies.run_config import DEFAULT_RUN_CONFIG, resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_pyproject_defaults_match_the_code() -> None:
         flwr = tomllib.load(handle)["tool"]["flwr"]
     assert flwr["app"]["components"] == {
         "serverapp": "strategies.server_app:app",
-        "clientapp": "clients.client_app:app",
+        "clientapp": "clients.client_app:simulation_app",
     }
     config = flwr["app"]["config"]
     assert config == DEFAULT_RUN_CONFIG
@@ -119,12 +119,11 @@ def test_training_modes_report_what_they_trained_on() -> None:
 def test_simulation_recovers_fedsgd_batches_exactly(tmp_path: Path) -> None:
     from flwr.simulation import run_simulation
 
-    from clients.client_app import app as client_app
+    from clients.client_app import create_client_app
     from strategies.server_app import create_server_app
 
     output = tmp_path / "run"
-    server_app = create_server_app(
-        {
+    settings = {
             "num-server-rounds": 2,
             "min-nodes": 3,
             "dataset": "digits",
@@ -136,10 +135,9 @@ def test_simulation_recovers_fedsgd_batches_exactly(tmp_path: Path) -> None:
             "attack-timeout": 120.0,
             "output-dir": str(output),
         }
-    )
     run_simulation(
-        server_app=server_app,
-        client_app=client_app,
+        server_app=create_server_app(settings),
+        client_app=create_client_app(resolve_run_config({}, settings), ground_truth=True),
         num_supernodes=3,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
@@ -154,6 +152,7 @@ def test_simulation_recovers_fedsgd_batches_exactly(tmp_path: Path) -> None:
     for row in rows:
         assert row["status"] == "ok", row
         assert row["complete"] == "True"
+        assert row["verdict"] == "exact" and row["input_space"] == "inputs", row
         assert int(row["num_references"]) == 5
         assert float(row["min_psnr"]) > 90.0, row
         directory = output / row["directory"]

@@ -38,6 +38,8 @@ from typing import IO, Any
 import numpy as np
 from PIL import Image
 
+from fl_attack.vocabulary import INPUT_SPACES, STATUSES, VERDICTS
+
 #: Permission bits of every directory the store creates.
 DIRECTORY_MODE = 0o700
 #: Permission bits of every file the store writes.
@@ -55,6 +57,9 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "round",
     "client",
     "status",
+    "verdict",
+    "verdict_reason",
+    "input_space",
     "seconds",
     "batch_size",
     "complete",
@@ -67,9 +72,12 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "batch_exact",
     "error",
     "directory",
+    "queued_at",
+    "started_at",
+    "finished_at",
 )
 
-_STATUSES = ("ok", "error", "timeout", "out-of-memory")
+_STATUSES = STATUSES
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -119,6 +127,12 @@ class AttackRecord:
     psnr: Sequence[float] | None = None
     error: str | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
+    verdict: str | None = None
+    verdict_reason: str | None = None
+    input_space: str | None = None
+    queued_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
 
     def __post_init__(self) -> None:
         """Validate the fields that end up in paths and tables."""
@@ -131,6 +145,10 @@ class AttackRecord:
             )
         if self.status not in _STATUSES:
             raise ValueError(f"status must be one of {_STATUSES}, got {self.status!r}")
+        if self.verdict is not None and self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+        if self.input_space is not None and self.input_space not in INPUT_SPACES:
+            raise ValueError(f"input_space must be one of {INPUT_SPACES}, got {self.input_space!r}")
 
     def metrics(self) -> dict[str, Any]:
         """The JSON document stored as ``metrics.json`` (no arrays)."""
@@ -139,7 +157,13 @@ class AttackRecord:
                 "round": self.server_round,
                 "client": self.client,
                 "status": self.status,
+                "verdict": self.verdict,
+                "verdict_reason": self.verdict_reason,
+                "input_space": self.input_space,
                 "seconds": self.seconds,
+                "queued_at": self.queued_at,
+                "started_at": self.started_at,
+                "finished_at": self.finished_at,
                 "error": self.error,
                 "complete": self.attack.get("complete"),
                 "sparsity_matching": self.attack.get("sparsity_matching"),
@@ -158,6 +182,9 @@ class AttackRecord:
             "round": self.server_round,
             "client": self.client,
             "status": self.status,
+            "verdict": self.verdict,
+            "verdict_reason": self.verdict_reason,
+            "input_space": self.input_space,
             "seconds": round(float(self.seconds), 4),
             "batch_size": self.attack.get("batch_size"),
             "complete": self.attack.get("complete"),
@@ -170,6 +197,9 @@ class AttackRecord:
             "batch_exact": self.quality.get("batch_exact"),
             "error": self.error,
             "directory": directory,
+            "queued_at": self.queued_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
         }
         return {key: "" if value is None else value for key, value in row.items()}
 

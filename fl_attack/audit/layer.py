@@ -1,15 +1,23 @@
-"""Locate the attacked linear layer in an ArrayRecord and compute its update."""
+"""Locate the attacked linear layer among a model's named arrays and compute its update.
+
+The arrays are plain numpy (a Flower ``ArrayRecord`` is converted by the strategy), so the
+same code serves any framework. Keys may carry Opacus' ``_module.`` prefix.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from flwr.app import ArrayRecord
+from fl_attack.vocabulary import INPUT_SPACE_FEATURES, INPUT_SPACE_INPUTS
 
 #: Prefix Opacus' ``GradSampleModule`` adds to every ``state_dict`` key.
 OPACUS_PREFIX = "_module."
+
+#: Named arrays of a model, in the model's order.
+NamedArrays = Mapping[str, np.ndarray]
 
 
 class LayerNotFoundError(ValueError):
@@ -23,26 +31,26 @@ def canonical_key(key: str) -> str:
     return key
 
 
-def canonical_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """The record's arrays as numpy, keyed by :func:`canonical_key`, in record order.
+def canonical_arrays(arrays: NamedArrays) -> dict[str, np.ndarray]:
+    """The arrays keyed by :func:`canonical_key`, in their order.
 
     Raises
     ------
     ValueError
         If two keys collide once their ``_module.`` prefixes are stripped.
     """
-    arrays: dict[str, np.ndarray] = {}
-    for key, array in record.items():
+    named: dict[str, np.ndarray] = {}
+    for key, array in arrays.items():
         name = canonical_key(key)
-        if name in arrays:
+        if name in named:
             raise ValueError(f"keys {key!r} and {name!r} collide once '{OPACUS_PREFIX}' is stripped")
-        arrays[name] = array.numpy()
-    return arrays
+        named[name] = np.asarray(array)
+    return named
 
 
 @dataclass(frozen=True)
 class LayerKeys:
-    """Canonical (prefix-free) names of the attacked layer's weight and bias.
+    """Canonical (prefix-free) names of the attacked layer's weight and bias, and its place.
 
     Attributes
     ----------
@@ -50,32 +58,19 @@ class LayerKeys:
         Key of the ``(m, n)`` weight matrix, e.g. ``"1.weight"``.
     bias : str
         Key of the ``(m,)`` bias vector, e.g. ``"1.bias"``.
+    preceding : tuple[str, ...]
+        Keys of the parameterised arrays that come before the layer in the model (empty
+        when the layer is the model's first, so its inputs are the client's data).
     """
 
     weight: str
     bias: str
+    preceding: tuple[str, ...] = ()
 
-
-@dataclass(frozen=True)
-class LayerUpdate:
-    """What the server observes about one client's attacked layer.
-
-    Attributes
-    ----------
-    weight_delta : numpy.ndarray
-        ``(m, n)`` float64 ``W_client - W_global``.
-    bias_delta : numpy.ndarray
-        ``(m,)`` float64 ``b_client - b_global``.
-    weight : numpy.ndarray
-        ``(m, n)`` float64 global weight the client started from.
-    bias : numpy.ndarray
-        ``(m,)`` float64 global bias the client started from.
-    """
-
-    weight_delta: np.ndarray
-    bias_delta: np.ndarray
-    weight: np.ndarray
-    bias: np.ndarray
+    @property
+    def input_space(self) -> str:
+        """``"inputs"`` for the model's first layer, ``"features"`` when layers precede it."""
+        return INPUT_SPACE_FEATURES if self.preceding else INPUT_SPACE_INPUTS
 
 
 def _default_bias_key(weight_key: str) -> str:
@@ -84,12 +79,18 @@ def _default_bias_key(weight_key: str) -> str:
     return weight_key + ".bias"
 
 
-def _describe(arrays: dict[str, np.ndarray]) -> str:
+def _describe(arrays: Mapping[str, np.ndarray]) -> str:
     return ", ".join(f"{key} {tuple(value.shape)}" for key, value in arrays.items()) or "(none)"
 
 
+def _preceding(keys: list[str], weight: str, named: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """Parameter arrays (at least 1-D, not buffers such as counters) before ``weight``."""
+    before = keys[: keys.index(weight)]
+    return tuple(key for key in before if named[key].ndim >= 2)
+
+
 def select_layer(
-    arrays: ArrayRecord,
+    arrays: NamedArrays,
     *,
     weight_key: str | None = None,
     bias_key: str | None = None,
@@ -98,8 +99,8 @@ def select_layer(
 
     Parameters
     ----------
-    arrays : ArrayRecord
-        The model's arrays (keys may carry Opacus' ``_module.`` prefix).
+    arrays : Mapping[str, numpy.ndarray]
+        The model's arrays in model order (keys may carry Opacus' ``_module.`` prefix).
     weight_key : str or None (default: None)
         Name of the weight entry. None picks the first 2-D array whose bias (same
         prefix, ``bias`` instead of ``weight``, shape ``(m,)``) comes right after it.
@@ -109,7 +110,7 @@ def select_layer(
     Returns
     -------
     LayerKeys
-        Canonical keys (without ``_module.``).
+        Canonical keys (without ``_module.``) and the layers that precede it.
 
     Raises
     ------
@@ -118,14 +119,14 @@ def select_layer(
         qualifies; the message lists the available keys and shapes.
     """
     named = canonical_arrays(arrays)
+    keys = list(named)
     if weight_key:
         weight = canonical_key(weight_key)
         bias = canonical_key(bias_key) if bias_key else _default_bias_key(weight)
         missing = [key for key in (weight, bias) if key not in named]
         if missing:
             raise LayerNotFoundError(
-                f"attacked layer entries {missing} not found in the model; "
-                f"available keys: {_describe(named)}"
+                f"attacked layer entries {missing} not found in the model; available keys: {_describe(named)}"
             )
         weight_shape, bias_shape = named[weight].shape, named[bias].shape
         if len(weight_shape) != 2 or bias_shape != (weight_shape[0],):
@@ -133,26 +134,21 @@ def select_layer(
                 f"{weight!r} {weight_shape} and {bias!r} {bias_shape} are not a linear "
                 f"layer's (m, n) weight and (m,) bias; available keys: {_describe(named)}"
             )
-        return LayerKeys(weight=weight, bias=bias)
+        return LayerKeys(weight=weight, bias=bias, preceding=_preceding(keys, weight, named))
     if bias_key:
         raise LayerNotFoundError("a bias key was given without its weight key")
-    keys = list(named)
     for position, key in enumerate(keys[:-1]):
         following = keys[position + 1]
         shape = named[key].shape
-        if (
-            len(shape) == 2
-            and following == _default_bias_key(key)
-            and named[following].shape == (shape[0],)
-        ):
-            return LayerKeys(weight=key, bias=following)
+        if len(shape) == 2 and following == _default_bias_key(key) and named[following].shape == (shape[0],):
+            return LayerKeys(weight=key, bias=following, preceding=_preceding(keys, key, named))
     raise LayerNotFoundError(
         "no linear layer (a 2-D weight followed by its 1-D bias) found in the model; "
         f"available keys: {_describe(named)}"
     )
 
 
-def layer_parameters(arrays: ArrayRecord, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
+def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
     """The layer's weight and bias from ``arrays`` as float64 copies."""
     named = canonical_arrays(arrays)
     missing = [key for key in (layer.weight, layer.bias) if key not in named]
@@ -166,30 +162,47 @@ def layer_parameters(arrays: ArrayRecord, layer: LayerKeys) -> tuple[np.ndarray,
     )
 
 
-def layer_update(
-    reply_arrays: ArrayRecord,
+@dataclass(frozen=True)
+class LayerDelta:
+    """A client's change of the attacked layer and the global layer it started from (float64 numpy).
+
+    This is what the server observes before any validation; :meth:`observed` turns it into
+    the attack's :class:`fl_attack.types.ObservedUpdate`.
+    """
+
+    weight_delta: np.ndarray
+    bias_delta: np.ndarray
+    weight: np.ndarray
+    bias: np.ndarray
+
+    def __add__(self, other: LayerDelta) -> LayerDelta:
+        """The sum of two clients' changes of the same global layer (secure aggregation)."""
+        return LayerDelta(
+            weight_delta=self.weight_delta + other.weight_delta,
+            bias_delta=self.bias_delta + other.bias_delta,
+            weight=self.weight,
+            bias=self.bias,
+        )
+
+
+def layer_delta(
+    reply_arrays: NamedArrays,
     *,
     layer: LayerKeys,
     weight: np.ndarray,
     bias: np.ndarray,
-) -> LayerUpdate:
+) -> LayerDelta:
     """Difference between a client's layer and the global layer it started from.
 
-    The subtraction is done in float64, where the difference of two float32 values
-    is exact, so no precision is lost beyond what the client's own arithmetic did.
+    The subtraction is done in float64, where the difference of two float32 values is
+    exact, so no precision is lost beyond what the client's own arithmetic did.
 
-    Parameters
-    ----------
-    reply_arrays : ArrayRecord
-        The arrays a client sent back (``_module.`` prefixes allowed).
-    layer : LayerKeys
-        The attacked layer.
-    weight, bias : numpy.ndarray
-        Global layer parameters sent to the client in this round.
-
-    Returns
-    -------
-    LayerUpdate
+    Raises
+    ------
+    LayerNotFoundError
+        If the reply lacks the layer.
+    ValueError
+        If the reply's layer has another shape than the global one.
     """
     new_weight, new_bias = layer_parameters(reply_arrays, layer)
     if new_weight.shape != weight.shape or new_bias.shape != bias.shape:
@@ -197,9 +210,4 @@ def layer_update(
             f"client layer shapes {new_weight.shape}/{new_bias.shape} differ from the global "
             f"{weight.shape}/{bias.shape}"
         )
-    return LayerUpdate(
-        weight_delta=new_weight - weight,
-        bias_delta=new_bias - bias,
-        weight=weight,
-        bias=bias,
-    )
+    return LayerDelta(weight_delta=new_weight - weight, bias_delta=new_bias - bias, weight=weight, bias=bias)

@@ -1,8 +1,8 @@
-"""Ground truth for scoring reconstructions: read from replies, looked up, compared.
+"""Score reconstructions against the ground truth: render, match, measure.
 
 This is the experimenter's side of the audit. Nothing here is ever passed to the
-attacker: the attack sees only the observed update (see :mod:`strategies.attack_runner`),
-and its output is scored here afterwards.
+attacker: the attack sees only the observed update, and its output is scored here
+afterwards, when ground truth exists (simulation, or a client that opted in).
 """
 
 from __future__ import annotations
@@ -14,63 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clients.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
-from flwr.app import ConfigRecord, RecordDict
-
-
-@dataclass(frozen=True)
-class ClientIdentity:
-    """Who sent a reply, as far as the server can tell.
-
-    Attributes
-    ----------
-    node_id : int
-        Flower node id of the sender.
-    partition_id : int or None
-        Data partition the client reported (simulation only).
-    """
-
-    node_id: int
-    partition_id: int | None
-
-    @property
-    def name(self) -> str:
-        """Directory-safe client name: ``partition-<id>`` or ``node-<id>``."""
-        if self.partition_id is not None:
-            return f"partition-{self.partition_id}"
-        return f"node-{self.node_id}"
-
-
-def audit_record(content: RecordDict, key: str = AUDIT_KEY) -> ConfigRecord | None:
-    """The reply's audit ConfigRecord, or None when the client sent none."""
-    record = content.get(key)
-    return record if isinstance(record, ConfigRecord) else None
-
-
-def client_identity(content: RecordDict, node_id: int, key: str = AUDIT_KEY) -> ClientIdentity:
-    """Identify the sender of a reply from its metadata and optional audit record."""
-    record = audit_record(content, key)
-    partition = None if record is None else record.get(PARTITION_ID_KEY)
-    if isinstance(partition, bool) or not isinstance(partition, int):
-        partition = None
-    return ClientIdentity(node_id=node_id, partition_id=partition)
-
-
-def sample_indices(content: RecordDict, key: str = AUDIT_KEY) -> list[int] | None:
-    """Dataset indices the client reports it trained on, or None when not reported."""
-    record = audit_record(content, key)
-    if record is None or SAMPLE_INDICES_KEY not in record:
-        return None
-    values = record[SAMPLE_INDICES_KEY]
-    if isinstance(values, int) and not isinstance(values, bool):
-        return [values]
-    if not isinstance(values, list) or not all(
-        isinstance(value, int) and not isinstance(value, bool) for value in values
-    ):
-        raise ValueError(f"'{SAMPLE_INDICES_KEY}' must be a list of ints, got {values!r}")
-    return list(values)
-
-
+from fl_attack.audit.observations import GroundTruth
 @dataclass(frozen=True)
 class Scored:
     """A reconstruction rendered as images and, when possible, scored.
@@ -144,49 +88,66 @@ class ReconstructionScorer:
             psnr=None,
         )
 
+    def references(self, truth: GroundTruth) -> np.ndarray:
+        """The ``(k, n)`` true samples of a client: its sent inputs, or its dataset indices looked up.
+
+        Raises
+        ------
+        ValueError
+            On indices outside the dataset, or inputs whose width differs from the dataset's.
+        """
+        if truth.inputs is not None:
+            reference = np.asarray(truth.inputs, dtype=np.float64)
+            return reference.reshape(reference.shape[0], -1)
+        unique = list(dict.fromkeys(int(index) for index in truth.indices or []))
+        if not unique:
+            raise ValueError("no ground-truth indices to score against")
+        if min(unique) < 0 or max(unique) >= self._inputs.shape[0]:
+            raise ValueError(
+                f"ground-truth indices must lie in [0, {self._inputs.shape[0]}), got {min(unique)}..{max(unique)}"
+            )
+        return np.asarray(self._inputs[unique].numpy())
+
     def score(self, reconstruction: np.ndarray | torch.Tensor, indices: list[int]) -> Scored:
-        """Match a reconstruction to the samples ``indices`` and compute its quality.
+        """Score a reconstruction against the dataset samples ``indices`` (duplicates scored once)."""
+        return self.score_against(reconstruction, self.references(GroundTruth(indices=list(indices))))
+
+    def score_against(self, reconstruction: np.ndarray | torch.Tensor, reference: np.ndarray) -> Scored:
+        """Match a reconstruction to the ``(k, n)`` true samples and compute its quality.
 
         Parameters
         ----------
         reconstruction : numpy.ndarray or torch.Tensor
             ``(b, n)`` reconstructed inputs in any order.
-        indices : list[int]
-            Dataset indices of the samples the client trained on (duplicates are
-            scored once).
+        reference : numpy.ndarray
+            ``(k, n)`` the samples the client trained on.
 
         Returns
         -------
         Scored
         """
-        from fl_attack.evaluation.metrics import (  # pylint: disable=import-outside-toplevel
-            evaluate_reconstruction,
-        )
+        from fl_attack.evaluation.metrics import evaluate_reconstruction
 
-        unique = list(dict.fromkeys(int(index) for index in indices))
-        if not unique:
-            raise ValueError("no ground-truth indices to score against")
-        if min(unique) < 0 or max(unique) >= self._inputs.shape[0]:
-            raise ValueError(
-                f"ground-truth indices must lie in [0, {self._inputs.shape[0]}), "
-                f"got {min(unique)}..{max(unique)}"
-            )
-        reference = self._inputs[unique]
+        reference_t = torch.as_tensor(np.asarray(reference, dtype=np.float64))
+        if reference_t.ndim != 2 or reference_t.shape[0] == 0:
+            raise ValueError(f"ground truth must be a non-empty (k, n) array, got shape {tuple(reference_t.shape)}")
         reconstructed = torch.as_tensor(reconstruction).detach().to("cpu", torch.float64)
+        if reconstructed.shape[1:] != reference_t.shape[1:]:
+            raise ValueError(
+                f"reconstruction rows have {reconstructed.shape[1]} features, the ground truth {reference_t.shape[1]}"
+            )
         quality = evaluate_reconstruction(
             reconstructed,
-            reference,
+            reference_t,
             denormalize=self._denormalize,
             image_shape=self.image_shape,
         )
         order = quality.order
         matched = order >= 0
-        summary = {
-            key: value for key, value in quality.summary().items() if key != "psnr"
-        }
+        summary = {key: value for key, value in quality.summary().items() if key != "psnr"}
         return Scored(
             reconstructed_images=self.images(reconstructed[order[matched]]),
-            reference_images=self.images(reference[matched]),
+            reference_images=self.images(reference_t[matched]),
             quality=summary,
             psnr=[float(value) for value in quality.psnr],
         )

@@ -26,12 +26,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .layer import LayerUpdate
+from fl_attack.vocabulary import (
+    STATUS_ERROR,
+    STATUS_KILLED,
+    STATUS_OK,
+    STATUS_OUT_OF_MEMORY,
+    STATUS_TIMEOUT,
+)
 
-STATUS_OK = "ok"
-STATUS_ERROR = "error"
-STATUS_TIMEOUT = "timeout"
-STATUS_OUT_OF_MEMORY = "out-of-memory"
+from .layer import LayerDelta
 
 #: Seconds a new worker process may take to import the attack before it is given up.
 WORKER_STARTUP_TIMEOUT = 300.0
@@ -104,9 +107,7 @@ def _release_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _invert(
-    attacker: Attacker, update: LayerUpdate, batch_size: int | None, time_budget: float | None
-) -> Any:
+def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time_budget: float | None) -> Any:
     """The only call into the attacker: the observed update and the global layer."""
     return attacker.invert(
         update.weight_delta,
@@ -155,7 +156,7 @@ def _timed_out(timeout: float | None, seconds: float, how: str) -> AttackResult:
 
 def run_attack(
     attacker: Attacker,
-    update: LayerUpdate,
+    update: LayerDelta,
     *,
     batch_size: int | None = None,
     time_budget: float | None = None,
@@ -167,7 +168,7 @@ def run_attack(
     ----------
     attacker : Attacker
         The attack, e.g. ``fl_attack.SpearPlusPlus``.
-    update : LayerUpdate
+    update : LayerDelta
         The client's first-layer update and the global layer it started from.
     batch_size : int or None (default: None)
         Batch size handed to the attacker; None lets it estimate the batch size.
@@ -211,7 +212,7 @@ class AttackRunner(ABC):
     @abstractmethod
     def run(
         self,
-        update: LayerUpdate,
+        update: LayerDelta,
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -228,7 +229,7 @@ class ThreadAttackRunner(AttackRunner):
 
     def run(
         self,
-        update: LayerUpdate,
+        update: LayerDelta,
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -319,7 +320,7 @@ class ProcessAttackRunner(AttackRunner):
 
     def run(
         self,
-        update: LayerUpdate,
+        update: LayerDelta,
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -357,12 +358,13 @@ class ProcessAttackRunner(AttackRunner):
             process.join(5.0)
         code = None if process is None else process.exitcode
         self._stop(kill=True)
-        if code == -signal.SIGKILL:
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             return AttackResult(
-                status=STATUS_OUT_OF_MEMORY,
+                status=STATUS_KILLED,
                 reconstruction=None,
                 seconds=seconds,
-                error="the attack worker was killed (SIGKILL), most likely by the out-of-memory killer",
+                error=f"the attack worker was killed by {name} (the out-of-memory killer sends SIGKILL)",
             )
         return AttackResult(
             status=STATUS_ERROR,

@@ -1,0 +1,34 @@
+"""The honest-but-curious audit, free of any FL framework.
+
+:class:`Auditor` selects the updates of a round, runs the attack on each
+(:mod:`~fl_attack.audit.workers`), decides a verdict from what the server sees
+(:mod:`~fl_attack.audit.verdict`), scores against ground truth when a client sent it, and
+stores everything. A framework adapter (Flower's: :mod:`strategies`) only converts replies
+into :class:`ClientUpdate` objects.
+"""
+
+from fl_attack.audit.auditor import Auditor
+from fl_attack.audit.layer import LayerDelta, LayerKeys, LayerNotFoundError, select_layer
+from fl_attack.audit.observations import ClientIdentity, ClientUpdate, GroundTruth
+from fl_attack.audit.signature import UpdateSignature, update_signature
+from fl_attack.audit.verdict import Verdict, decide_verdict, not_applicable_reason
+from fl_attack.audit.workers import Attacker, AttackResult, make_runner
+
+__all__ = [
+    "AttackResult",
+    "Attacker",
+    "Auditor",
+    "ClientIdentity",
+    "ClientUpdate",
+    "GroundTruth",
+    "LayerDelta",
+    "LayerKeys",
+    "LayerNotFoundError",
+    "UpdateSignature",
+    "Verdict",
+    "decide_verdict",
+    "make_runner",
+    "not_applicable_reason",
+    "select_layer",
+    "update_signature",
+]

@@ -1,0 +1,194 @@
+"""One verdict per attack, decided from what the server sees and the attack's own self-check.
+
+The verdict never uses ground truth, so it means the same in a simulation and in a
+deployment. "exact" needs a complete reconstruction of a clean (noise-free) update whose
+self-check passed; "not-applicable" is only given for an update that exact inversion
+cannot explain (and never when the attack in fact recovered the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fl_attack.vocabulary import (
+    INPUT_SPACE_FEATURES,
+    STATUS_DROPPED,
+    STATUS_KILLED,
+    STATUS_OK,
+    STATUS_OUT_OF_MEMORY,
+    STATUS_TIMEOUT,
+    VERDICT_APPROXIMATE,
+    VERDICT_DROPPED,
+    VERDICT_EXACT,
+    VERDICT_FAILED,
+    VERDICT_NOT_APPLICABLE,
+    VERDICT_TIMEOUT,
+)
+
+from .signature import ADAPTIVE_CONCENTRATION, UpdateSignature
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the server may claim about one attacked update.
+
+    Attributes
+    ----------
+    verdict : str
+        One of :data:`fl_attack.vocabulary.VERDICTS`.
+    reason : str
+        One sentence saying why.
+    """
+
+    verdict: str
+    reason: str
+
+
+def not_applicable_reason(
+    signature: UpdateSignature,
+    *,
+    train_mode: str | None = None,
+) -> str | None:
+    """Why exact inversion cannot explain this update, or None when it could.
+
+    Parameters
+    ----------
+    signature : UpdateSignature
+        Figures of the observed update.
+    train_mode : str or None (default: None)
+        What the client reported about its training (simulation only), to name the cause.
+    """
+    m, n = signature.shape
+    if signature.zero:
+        return "the client's update of this layer is zero: there is nothing to invert"
+    if signature.adaptive_like:
+        return (
+            f"{100 * signature.magnitude_concentration:.0f}% of the update's entries have the same magnitude "
+            "(within 5%): steps of an adaptive optimizer such as Adam are not one gradient, so exact "
+            "inversion does not apply"
+        )
+    if signature.low_rank:
+        return None
+    if train_mode == "fedavg":
+        return (
+            "several local steps (FedAvg) left the update without low-rank structure: it is not one "
+            "gradient of a small batch, so exact inversion does not apply"
+        )
+    if train_mode == "dpsgd" or (signature.noisy and signature.rank_estimate is not None):
+        return (
+            f"noise hides the batch's low-rank structure (the noise's top singular value is "
+            f"{signature.relative_noise:.2f}x the batch's weakest direction): DP noise at this level "
+            "defeats exact inversion"
+        )
+    if n <= m:
+        return (
+            f"the update has full rank on {n} input features: a batch of {n} or more samples, or "
+            "several local steps, cannot be separated by an exact attack on this layer"
+        )
+    return (
+        f"the update has no low-rank structure (rank close to min(m, n) = {min(m, n)}): it is not one "
+        "gradient of a small batch (several local steps, DP noise, or a batch larger than the layer "
+        "can separate)"
+    )
+
+
+def _features_note(input_space: str | None) -> str:
+    if input_space == INPUT_SPACE_FEATURES:
+        return " (the layer follows other layers: these are its input features, not the raw data)"
+    return ""
+
+
+def decide_verdict(
+    *,
+    status: str,
+    error: str | None,
+    attack: Mapping[str, Any],
+    signature: Callable[[], UpdateSignature | None],
+    magnitude_concentration: float | None,
+    input_space: str | None,
+    train_mode: str | None = None,
+    time_budget: float | None = None,
+) -> Verdict:
+    """Decide the verdict of one attack.
+
+    Parameters
+    ----------
+    status : str
+        The job's status (:data:`fl_attack.vocabulary.STATUSES`).
+    error : str or None
+        The failure, when the status is not ok.
+    attack : Mapping[str, Any]
+        The reconstruction's own summary (``complete``, ``batch_size``, ``directions_found``,
+        ``noisy``, ``stopped_by``, ...), empty when the attack did not return.
+    signature : Callable[[], UpdateSignature or None]
+        Computes the update's signature on demand (an SVD: only called when needed).
+    magnitude_concentration : float or None
+        Share of the update's entries near the median magnitude (cheap; see
+        :func:`fl_attack.audit.signature.magnitude_concentration`).
+    input_space : str or None
+        ``"inputs"`` or ``"features"``.
+    train_mode : str or None (default: None)
+        Client-reported training mode (simulation only).
+    time_budget : float or None (default: None)
+        The attack's budget in seconds.
+    """
+    if status == STATUS_DROPPED:
+        return Verdict(VERDICT_DROPPED, "the attack queue was full and its policy dropped this update")
+    adaptive = magnitude_concentration is not None and magnitude_concentration > ADAPTIVE_CONCENTRATION
+    if status == STATUS_OK:
+        b = int(attack.get("batch_size", 0))
+        found = int(attack.get("directions_found", 0))
+        complete = bool(attack.get("complete", False))
+        noisy = bool(attack.get("noisy", False))
+        if adaptive:
+            reason = _not_applicable(signature, train_mode)
+            if reason is not None:
+                return Verdict(VERDICT_NOT_APPLICABLE, reason)
+        if complete and not noisy and not adaptive:
+            matching = float(attack.get("sparsity_matching", 0.0))
+            return Verdict(
+                VERDICT_EXACT,
+                f"all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f})"
+                + _features_note(input_space),
+            )
+        reason = _not_applicable(signature, train_mode) if (noisy or found < b) else None
+        if reason is not None and not (complete and noisy):
+            return Verdict(VERDICT_NOT_APPLICABLE, reason)
+        if complete:
+            return Verdict(
+                VERDICT_APPROXIMATE,
+                f"all {b} samples recovered up to the update's noise (relative noise "
+                f"{float(attack.get('relative_noise', 0.0)):.2g}), not exactly" + _features_note(input_space),
+            )
+        if attack.get("stopped_by") == "time_budget":
+            spent = f"{time_budget:g} s " if time_budget else ""
+            return Verdict(
+                VERDICT_TIMEOUT,
+                f"the attack spent its whole {spent}budget with {found} of {b} samples found",
+            )
+        if found > 0:
+            return Verdict(
+                VERDICT_APPROXIMATE,
+                f"{found} of {b} samples recovered with a consistent ReLU pattern; the rest were not found"
+                + _features_note(input_space),
+            )
+        return Verdict(VERDICT_FAILED, f"no sample recovered of an estimated batch of {b}")
+    if status == STATUS_TIMEOUT:
+        return Verdict(VERDICT_TIMEOUT, error or "the attack did not finish within its hard limit")
+    reason = _not_applicable(signature, train_mode)
+    if reason is not None:
+        return Verdict(VERDICT_NOT_APPLICABLE, reason)
+    if status == STATUS_OUT_OF_MEMORY:
+        return Verdict(VERDICT_FAILED, f"the attack ran out of memory: {error}")
+    if status == STATUS_KILLED:
+        return Verdict(VERDICT_FAILED, f"the attack's worker was killed: {error}")
+    return Verdict(VERDICT_FAILED, f"the attack failed: {error}")
+
+
+def _not_applicable(signature: Callable[[], UpdateSignature | None], train_mode: str | None) -> str | None:
+    computed = signature()
+    if computed is None:
+        return None
+    return not_applicable_reason(computed, train_mode=train_mode)

@@ -1,0 +1,74 @@
+"""Build the auditor, its attacker and its store from a run config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.app import UserConfigValue
+
+from fl_attack import get_attack
+from fl_attack.audit import Attacker, Auditor
+from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.results.store import ReconstructionStore
+
+from .run_config import attack_timeout, parse_partitions, resolve_audit_config
+
+
+def build_attacker(config: Mapping[str, UserConfigValue]) -> Attacker:
+    """The registered attack ``attack-name`` (default SPEAR++) on ``attack-device``."""
+    return get_attack(
+        str(config["attack-name"]),
+        device=str(config["attack-device"]),
+        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
+        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
+        progress=False,
+    )
+
+
+def build_store(config: Mapping[str, UserConfigValue]) -> ReconstructionStore:
+    """Open the run directory (``output-dir`` or ``outputs/<timestamp>``) with the config."""
+    output_dir = str(config["output-dir"]) or None
+    return ReconstructionStore.create(output_dir, run_config=dict(config))
+
+
+def build_auditor(
+    run_config: Mapping[str, UserConfigValue],
+    overrides: Mapping[str, UserConfigValue] | None = None,
+    *,
+    scorer: ReconstructionScorer | None = None,
+    attacker: Attacker | None = None,
+    store: ReconstructionStore | None | Any = ...,
+) -> Auditor:
+    """An :class:`Auditor` from the audit keys of a run config (other keys are ignored).
+
+    Parameters
+    ----------
+    run_config : Mapping[str, UserConfigValue]
+        The app's run config.
+    overrides : Mapping[str, UserConfigValue] or None (default: None)
+        Audit keys taking precedence.
+    scorer : ReconstructionScorer or None (default: None)
+        Scores reconstructions against ground truth clients send.
+    attacker : Attacker or None (default: None)
+        The attack; None builds ``attack-name`` from the registry.
+    store : ReconstructionStore or None (default: opened from ``output-dir``)
+        Where to write; None keeps records in memory only.
+    """
+    config = resolve_audit_config(run_config, overrides)
+    batch_size = int(config["attack-batch-size"])  # type: ignore[arg-type]
+    return Auditor(
+        attacker if attacker is not None else build_attacker(config),
+        store=build_store(config) if store is ... else store,
+        scorer=scorer,
+        weight_key=str(config["attack-weight-key"]) or None,
+        bias_key=str(config["attack-bias-key"]) or None,
+        attack_fraction=float(config["attack-fraction"]),  # type: ignore[arg-type]
+        attack_partitions=parse_partitions(str(config["attack-partitions"])),
+        batch_size=batch_size or None,
+        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
+        timeout=attack_timeout(config),
+        isolation=str(config["attack-isolation"]),
+        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
+        secagg_group_size=int(config["secagg-group-size"]),  # type: ignore[arg-type]
+    )

@@ -1,0 +1,163 @@
+"""Honest-but-curious server for any Flower strategy: aggregate normally, audit every update.
+
+The wrapper follows Flower's strategy wrappers (e.g. the differential-privacy ones): it holds
+an inner strategy and delegates every decision to it. It only observes: it hands the global
+arrays it sends and the replies it receives to a framework-free
+:class:`fl_attack.audit.Auditor`, removes the audit-only records, and lets the inner strategy
+aggregate exactly what it would have aggregated without the audit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, UserConfigValue
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+from fl_attack.audit import Auditor, ClientUpdate
+from fl_attack.results.store import AttackRecord
+
+from .replies import strip_audit_records, to_client_update, training_replies
+
+logging.getLogger("fl_attack").setLevel(logging.INFO)
+
+
+class HonestButCuriousStrategy(Strategy):
+    """Strategy wrapper that audits how much each client update leaks.
+
+    Training is exactly that of the inner strategy: the replies it aggregates are the
+    clients' replies without the audit-only records. Every failure of the attack is
+    recorded for that (round, client) and training goes on.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The strategy that actually trains (FedAvg, FedProx, FedAdam, a DP wrapper, ...).
+    auditor : Auditor
+        Attacks, judges, scores and stores the updates (see :class:`fl_attack.audit.Auditor`).
+    """
+
+    def __init__(self, strategy: Strategy, auditor: Auditor) -> None:
+        super().__init__()
+        if not isinstance(strategy, Strategy):
+            raise TypeError(
+                f"HonestButCuriousStrategy wraps a Message-API strategy (flwr.serverapp.strategy.Strategy), "
+                f"got {type(strategy).__name__}; for a legacy flwr.server.strategy one (e.g. with SecAgg+), "
+                "use strategies.secagg"
+            )
+        self.strategy = strategy
+        self.auditor = auditor
+
+    @classmethod
+    def from_context(
+        cls, strategy: Strategy, context: Context, **overrides: UserConfigValue | Any
+    ) -> HonestButCuriousStrategy:
+        """Wrap ``strategy`` with an auditor configured from the run config (one line in a ServerApp).
+
+        Every audit key (``attack-*``, ``output-dir``, ``secagg-group-size``; see
+        :data:`strategies.run_config.SETTINGS`) is read from ``context.run_config``; missing keys
+        take their defaults, and a misspelled audit key is an error naming the closest key.
+        ``overrides`` use the same names with underscores (``output_dir=...``,
+        ``attack_time_budget=...``) and win. ``scorer=`` and ``attacker=`` may also be given
+        as objects.
+
+        Raises
+        ------
+        TypeError
+            If ``strategy`` is not a Message-API strategy.
+        strategies.run_config.RunConfigError
+            On an unknown audit key or a bad value.
+        """
+        from .factory import build_auditor
+
+        objects = {key: overrides.pop(key) for key in ("scorer", "attacker") if key in overrides}
+        if not isinstance(strategy, Strategy):
+            cls(strategy, None)  # type: ignore[arg-type]  # raises the TypeError with its message
+        settings = {key.replace("_", "-"): value for key, value in overrides.items()}
+        auditor = build_auditor(context.run_config, settings, **objects)
+        return cls(strategy, auditor)
+
+    @property
+    def records(self) -> list[AttackRecord]:
+        """Every attack so far (without arrays when a store keeps them)."""
+        return self.auditor.records
+
+    def __repr__(self) -> str:
+        """Compute a string representation of the strategy."""
+        return f"HonestButCuriousStrategy({self.strategy!r})"
+
+    def summary(self) -> None:
+        """Log summary configuration of the strategy."""
+        auditor = self.auditor
+        log(INFO, "\t├──> Honest-but-curious audit:")
+        log(INFO, "\t│\t├── Attacker: %s", type(auditor.attacker).__name__)
+        log(INFO, "\t│\t├── Attacked layer: %s", auditor.weight_key or "first linear layer")
+        log(
+            INFO,
+            "\t│\t├── Attacked updates: fraction %.2f, partitions %s",
+            auditor.attack_fraction,
+            "all" if auditor.attack_partitions is None else sorted(auditor.attack_partitions),
+        )
+        log(INFO, "\t│\t├── Time budget / timeout: %s s / %s s", auditor.time_budget, auditor.timeout)
+        if auditor.secagg_group_size > 1:
+            log(INFO, "\t│\t├── Secure aggregation: sums of %d clients", auditor.secagg_group_size)
+        log(INFO, "\t│\t└── Store: %s", "memory only" if auditor.store is None else auditor.store.directory)
+        self.strategy.summary()
+
+    # ------------------------------------------------------------------ training
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Remember the global layer sent in this round, then let the inner strategy configure.
+
+        Raises
+        ------
+        fl_attack.audit.LayerNotFoundError
+            In the first round, if the configured layer is not in ``arrays`` (a configuration
+            error, reported before any client trains).
+        """
+        self.auditor.start_round(server_round, {key: value.numpy() for key, value in arrays.items()})
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Audit the replies, then aggregate them with the inner strategy."""
+        replies_list = list(replies)
+        try:
+            updates: list[ClientUpdate] = [
+                to_client_update(reply) for reply in training_replies(replies_list)
+            ]
+            self.auditor.audit_round(server_round, updates)
+        except Exception as error:  # the audit never stops training
+            log(WARNING, "Audit of round %s failed: %s: %s", server_round, type(error).__name__, error)
+        strip_audit_records(replies_list)
+        return self.strategy.aggregate_train(server_round, replies_list)
+
+    def close(self) -> None:
+        """Stop the attack workers."""
+        self.auditor.close()
+
+    # ---------------------------------------------------------------- evaluation
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Configure the next round of federated evaluation."""
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+    ) -> MetricRecord | None:
+        """Aggregate MetricRecords in the received Messages."""
+        return self.strategy.aggregate_evaluate(server_round, replies)

@@ -1,0 +1,121 @@
+"""Read Flower training replies into the auditor's framework-free :class:`ClientUpdate`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fl_attack.audit import ClientIdentity, ClientUpdate, GroundTruth
+from fl_attack.audit.protocol import (
+    AUDIT_KEY,
+    GROUND_TRUTH_INPUTS,
+    GROUND_TRUTH_KEY,
+    NUM_EXAMPLES_KEY,
+    PARTITION_ID_KEY,
+    SAMPLE_INDICES_KEY,
+    TRAIN_MODE_KEY,
+)
+
+#: Records that only the audit reads; removed before the inner strategy aggregates.
+AUDIT_RECORDS = (AUDIT_KEY, GROUND_TRUTH_KEY)
+
+
+def audit_record(content: RecordDict) -> ConfigRecord | None:
+    """The reply's audit ConfigRecord, or None when the client sent none."""
+    record = content.get(AUDIT_KEY)
+    return record if isinstance(record, ConfigRecord) else None
+
+
+def client_identity(content: RecordDict, node_id: int) -> ClientIdentity:
+    """Identify the sender of a reply from its metadata and optional audit record."""
+    record = audit_record(content)
+    partition = None if record is None else record.get(PARTITION_ID_KEY)
+    if isinstance(partition, bool) or not isinstance(partition, int):
+        partition = None
+    return ClientIdentity(node_id=node_id, partition_id=partition)
+
+
+def sample_indices(content: RecordDict) -> list[int] | None:
+    """Dataset indices the client reports it trained on, or None when not reported."""
+    record = audit_record(content)
+    if record is None or SAMPLE_INDICES_KEY not in record:
+        return None
+    values = record[SAMPLE_INDICES_KEY]
+    if isinstance(values, int) and not isinstance(values, bool):
+        return [values]
+    if not isinstance(values, list) or not all(
+        isinstance(value, int) and not isinstance(value, bool) for value in values
+    ):
+        raise ValueError(f"'{SAMPLE_INDICES_KEY}' must be a list of ints, got {values!r}")
+    return list(values)
+
+
+def ground_truth(content: RecordDict) -> GroundTruth | None:
+    """The ground truth a client sent for scoring (inputs or dataset indices), if any."""
+    record = content.get(GROUND_TRUTH_KEY)
+    if isinstance(record, ArrayRecord) and GROUND_TRUTH_INPUTS in record:
+        inputs = record[GROUND_TRUTH_INPUTS].numpy()
+        return GroundTruth(inputs=np.asarray(inputs, dtype=np.float64).reshape(len(inputs), -1))
+    indices = sample_indices(content)
+    return None if indices is None else GroundTruth(indices=indices)
+
+
+def model_arrays(content: RecordDict) -> dict[str, np.ndarray]:
+    """The reply's model arrays (its one ArrayRecord besides the ground truth) as numpy.
+
+    Raises
+    ------
+    ValueError
+        If the reply holds no model ArrayRecord or several.
+    """
+    records = [record for key, record in content.array_records.items() if key != GROUND_TRUTH_KEY]
+    if len(records) != 1:
+        raise ValueError(f"expected exactly one model ArrayRecord in the reply, found {len(records)}")
+    return {key: array.numpy() for key, array in records[0].items()}
+
+
+def to_client_update(reply: Message) -> ClientUpdate:
+    """Convert one reply; an unreadable reply becomes an update with ``arrays=None`` and its error."""
+    content = reply.content
+    identity = client_identity(content, reply.metadata.src_node_id)
+    record = audit_record(content)
+    mode = None if record is None else record.get(TRAIN_MODE_KEY)
+    num_examples = None
+    for metrics in content.metric_records.values():
+        if isinstance(metrics, MetricRecord) and NUM_EXAMPLES_KEY in metrics:
+            value = metrics[NUM_EXAMPLES_KEY]
+            num_examples = int(value) if isinstance(value, (int, float)) else None
+    try:
+        truth = ground_truth(content)
+    except ValueError:
+        truth = None
+    try:
+        arrays: dict[str, np.ndarray] | None = model_arrays(content)
+        error = None
+    except Exception as failure:  # any malformed reply is recorded, never raised
+        arrays, error = None, f"{type(failure).__name__}: {failure}"
+    return ClientUpdate(
+        identity=identity,
+        arrays=arrays,
+        error=error,
+        ground_truth=truth,
+        train_mode=str(mode) if isinstance(mode, str) else None,
+        num_examples=num_examples,
+    )
+
+
+def training_replies(replies: Iterable[Message]) -> list[Message]:
+    """Replies that carry content and no error (the ones a strategy aggregates)."""
+    return [reply for reply in replies if not reply.has_error() and reply.has_content()]
+
+
+def strip_audit_records(replies: Iterable[Message]) -> None:
+    """Remove the audit-only records in place, so the inner strategy never sees them."""
+    for reply in replies:
+        if reply.has_error() or not reply.has_content():
+            continue
+        for key in AUDIT_RECORDS:
+            if key in reply.content:
+                del reply.content[key]
