@@ -278,6 +278,7 @@ class Auditor:
             input_space=self.layer.input_space if self.layer else None,
             train_mode=modes.pop() if len(modes) == 1 else None,
             time_budget=self.time_budget,
+            num_examples=_total_examples(members),
         )
 
     def _score(
@@ -361,6 +362,11 @@ def unit_name(members: Sequence[ClientUpdate]) -> str:
     if len(members) == 1:
         return members[0].identity.name
     return "secagg-" + "_".join(member.identity.name for member in members)
+
+
+def _total_examples(members: Sequence[ClientUpdate]) -> int | None:
+    counts = [member.num_examples for member in members]
+    return None if any(count is None for count in counts) else sum(count or 0 for count in counts)
 
 
 def _attack_summary(result: AttackResult) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from fl_attack.pipeline.decompose import estimate_batch_size
 ADAPTIVE_CONCENTRATION = 0.5
 #: An estimated rank above this share of ``min(m, n)`` is "no low-rank structure".
 FULL_RANK_SHARE = 0.9
+#: Without a clean float32 gap, ``s_b / s_{b+1}`` must reach this for a noisy low-rank structure.
+NOISY_MIN_GAP = 2.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class UpdateSignature:
     def low_rank(self) -> bool:
         """Whether the update shows the low-rank structure of one small batch's gradient."""
         if self.rank_estimate is None:
+            return False
+        if self.noisy and self.spectral_gap < NOISY_MIN_GAP:
             return False
         return self.rank_estimate < FULL_RANK_SHARE * min(self.shape)
 

@@ -27,7 +27,7 @@ from fl_attack.vocabulary import (
     VERDICT_TIMEOUT,
 )
 
-from .signature import ADAPTIVE_CONCENTRATION, UpdateSignature
+from .signature import ADAPTIVE_CONCENTRATION, FULL_RANK_SHARE, UpdateSignature
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ def not_applicable_reason(
     signature: UpdateSignature,
     *,
     train_mode: str | None = None,
+    num_examples: int | None = None,
 ) -> str | None:
     """Why exact inversion cannot explain this update, or None when it could.
 
@@ -59,6 +60,8 @@ def not_applicable_reason(
         Figures of the observed update.
     train_mode : str or None (default: None)
         What the client reported about its training (simulation only), to name the cause.
+    num_examples : int or None (default: None)
+        The example count the client reported with its update (FedAvg's weight).
     """
     m, n = signature.shape
     if signature.zero:
@@ -71,16 +74,28 @@ def not_applicable_reason(
         )
     if signature.low_rank:
         return None
+    if num_examples is not None and n <= m and num_examples >= n:
+        return (
+            f"batch of {num_examples} rows on {n} input features: a batch larger than the input dimension "
+            "cannot be separated by an exact attack"
+        )
     if train_mode == "fedavg":
         return (
             "several local steps (FedAvg) left the update without low-rank structure: it is not one "
             "gradient of a small batch, so exact inversion does not apply"
         )
-    if train_mode == "dpsgd" or (signature.noisy and signature.rank_estimate is not None):
+    if train_mode == "dpsgd":
         return (
-            f"noise hides the batch's low-rank structure (the noise's top singular value is "
-            f"{signature.relative_noise:.2f}x the batch's weakest direction): DP noise at this level "
-            "defeats exact inversion"
+            f"DP noise hides the batch's low-rank structure (s_b / s_(b+1) = {signature.spectral_gap:.2f}: the "
+            "noise's top singular value reaches the batch's weakest direction), so exact inversion does not apply"
+        )
+    if signature.rank_estimate is not None and signature.rank_estimate < FULL_RANK_SHARE * min(m, n):
+        return (
+            f"the update has no clear low-rank structure (s_b / s_(b+1) = {signature.spectral_gap:.2f} at an "
+            f"estimated rank of {signature.rank_estimate}): it is not one gradient of a small batch; several "
+            "local steps, an adaptive optimizer such as Adam, DP noise at this level"
+            + (f", or a batch of {n} or more samples on {n} input features" if n <= m else "")
+            + " defeat exact inversion"
         )
     if n <= m:
         return (
@@ -110,6 +125,7 @@ def decide_verdict(
     input_space: str | None,
     train_mode: str | None = None,
     time_budget: float | None = None,
+    num_examples: int | None = None,
 ) -> Verdict:
     """Decide the verdict of one attack.
 
@@ -133,6 +149,8 @@ def decide_verdict(
         Client-reported training mode (simulation only).
     time_budget : float or None (default: None)
         The attack's budget in seconds.
+    num_examples : int or None (default: None)
+        The example count the client(s) reported.
     """
     if status == STATUS_DROPPED:
         return Verdict(VERDICT_DROPPED, "the attack queue was full and its policy dropped this update")
@@ -143,7 +161,7 @@ def decide_verdict(
         complete = bool(attack.get("complete", False))
         noisy = bool(attack.get("noisy", False))
         if adaptive:
-            reason = _not_applicable(signature, train_mode)
+            reason = _not_applicable(signature, train_mode, num_examples)
             if reason is not None:
                 return Verdict(VERDICT_NOT_APPLICABLE, reason)
         if complete and not noisy and not adaptive:
@@ -153,7 +171,7 @@ def decide_verdict(
                 f"all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f})"
                 + _features_note(input_space),
             )
-        reason = _not_applicable(signature, train_mode) if (noisy or found < b) else None
+        reason = _not_applicable(signature, train_mode, num_examples) if (noisy or found < b) else None
         if reason is not None and not (complete and noisy):
             return Verdict(VERDICT_NOT_APPLICABLE, reason)
         if complete:
@@ -177,7 +195,7 @@ def decide_verdict(
         return Verdict(VERDICT_FAILED, f"no sample recovered of an estimated batch of {b}")
     if status == STATUS_TIMEOUT:
         return Verdict(VERDICT_TIMEOUT, error or "the attack did not finish within its hard limit")
-    reason = _not_applicable(signature, train_mode)
+    reason = _not_applicable(signature, train_mode, num_examples)
     if reason is not None:
         return Verdict(VERDICT_NOT_APPLICABLE, reason)
     if status == STATUS_OUT_OF_MEMORY:
@@ -187,8 +205,10 @@ def decide_verdict(
     return Verdict(VERDICT_FAILED, f"the attack failed: {error}")
 
 
-def _not_applicable(signature: Callable[[], UpdateSignature | None], train_mode: str | None) -> str | None:
+def _not_applicable(
+    signature: Callable[[], UpdateSignature | None], train_mode: str | None, num_examples: int | None
+) -> str | None:
     computed = signature()
     if computed is None:
         return None
-    return not_applicable_reason(computed, train_mode=train_mode)
+    return not_applicable_reason(computed, train_mode=train_mode, num_examples=num_examples)
