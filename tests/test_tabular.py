@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fl_attack import SpearPlusPlus
-from fl_attack.data.images import DATA_ENV_VAR
+from fl_attack.data.images import DATA_ENV_VAR, DatasetNotFoundError
 from fl_attack.data.tabular import (
     ADULT_CLASSES,
     ADULT_FEATURES,
@@ -74,7 +74,7 @@ def _as_records(rows: list[list[str]]) -> list[dict]:
     records = []
     for row in rows:
         record = {}
-        for (name, categories), value in zip(ADULT_FEATURES, row):
+        for (name, categories), value in zip(ADULT_FEATURES, row[:-1], strict=True):  # row[-1]: label
             record[name] = value if categories is not None else float(value)
         records.append(record)
     return records
@@ -162,7 +162,7 @@ def test_round_trip_is_exact(adult_dir: tuple[Path, dict]) -> None:
     assert decoded == records  # categories and integer values recovered exactly
     assert torch.equal(data.encode(records), data.features)  # bit-exact re-encoding
     unrounded = decode_batch(data.features.double(), schema=data.schema)
-    for got, want in zip(unrounded, records):
+    for got, want in zip(unrounded, records, strict=True):
         for name, value in want.items():
             if isinstance(value, float):
                 assert abs(got[name] - value) < 0.1  # float32 storage of fnlwgt ~ 1e6
@@ -186,8 +186,9 @@ def test_schema_validation() -> None:
     b = TabularFeature(name="b", kind=DISCRETE, columns=slice(2, 4), categories=("x", "y"))
     with pytest.raises(ValueError, match="tile"):
         TabularSchema((a, b))
-    schema = TabularSchema((a, TabularFeature(name="b", kind=DISCRETE, columns=slice(1, 3),
-                                              categories=("x", "y"))))
+    schema = TabularSchema(
+        (a, TabularFeature(name="b", kind=DISCRETE, columns=slice(1, 3), categories=("x", "y")))
+    )
     with pytest.raises(ValueError, match="unknown category 'z'"):
         schema.encode([{"a": 1.0, "b": "z"}])
     with pytest.raises(ValueError, match="no value for feature 'b'"):
@@ -262,18 +263,21 @@ def test_score_and_decode_errors(adult_dir: tuple[Path, dict]) -> None:
 # --------------------------------------------------------------------------- file errors
 
 
-def test_missing_files_list_the_paths_tried(tmp_path: Path) -> None:
+def test_missing_files_give_one_line_naming_the_command(tmp_path: Path) -> None:
     empty = tmp_path / "nothing"
-    with pytest.raises(FileNotFoundError) as info:
+    with pytest.raises(DatasetNotFoundError) as info:
         load_adult(root=empty)
-    message = str(info.value)
-    assert "adult.data" in message and str(empty) in message and str(empty / "adult") in message
-    assert DATA_ENV_VAR in message
+    assert str(info.value) == (
+        "adult is not on this machine: run `fl-attack-data fetch adult` (or pass data-root=DIR); "
+        f"looked in: {empty}, {empty / 'adult'}"
+    )
+    assert isinstance(info.value, FileNotFoundError)
     only_train = tmp_path / "partial"
     _write_adult(only_train)
     (only_train / "adult.test").unlink()
     assert len(load_adult(root=only_train)) == 60  # the train split needs no test file
-    with pytest.raises(FileNotFoundError, match="missing: adult.test"):
+    partial = r"partial has only some of them \(missing: adult\.test\)\)$"
+    with pytest.raises(DatasetNotFoundError, match=partial):
         load_adult(root=only_train, split="test")
 
 
