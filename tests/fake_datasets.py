@@ -6,6 +6,7 @@ import gzip
 import pickle
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,7 @@ def write_mnist_raw(
 
 def write_tiny_imagenet(
     directory: Path, *, per_class: int = 3, val: int = 4, seed: int = 0
-) -> dict[str, list]:
+) -> dict[str, Any]:
     """A Tiny-ImageNet-format folder (``tiny-imagenet-200``) with the classes of :data:`TINY_WNIDS`.
 
     Returns the pixel arrays (H, W, 3) per class for "train" (a list per sorted wnid) and the
@@ -106,11 +107,16 @@ def write_tiny_imagenet(
     return {"train": train, "val": val_items}
 
 
+ADULT_TEXT = {
+    "adult.data": "\n".join(ADULT_ROWS) + "\n",
+    "adult.test": "|1x3 Cross validator\n" + "\n".join(row + "." for row in ADULT_ROWS[:2]),
+    "adult.names": "| fake names file\n",
+}
+"""File contents: 4 training rows, 2 test rows (UCI's junk first line and '.' labels), a names file."""
+
+
 def write_adult(directory: Path) -> None:
-    """``adult.data`` (4 rows), ``adult.test`` (2 rows, junk first line, '.' labels), ``adult.names``."""
+    """The three UCI Adult files of :data:`ADULT_TEXT` in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "adult.data").write_text("\n".join(ADULT_ROWS) + "\n")
-    (directory / "adult.test").write_text(
-        "|1x3 Cross validator\n" + "\n".join(r + "." for r in ADULT_ROWS[:2])
-    )
-    (directory / "adult.names").write_text("| fake names file\n")
+    for name, text in ADULT_TEXT.items():
+        (directory / name).write_text(text)

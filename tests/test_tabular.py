@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def _random_rows(count: int, seed: int) -> list[list[str]]:
     return rows
 
 
-def _write_adult(directory: Path, *, train: int = 60, test: int = 20, seed: int = 0) -> dict:
+def _write_adult(directory: Path, *, train: int = 60, test: int = 20, seed: int = 0) -> dict[str, Any]:
     """Write adult.data / adult.test in the UCI format; return the complete rows written."""
     directory.mkdir(parents=True, exist_ok=True)
     train_rows = _random_rows(train, seed)
@@ -70,7 +71,7 @@ def _write_adult(directory: Path, *, train: int = 60, test: int = 20, seed: int 
     return {"train": train_rows, "test": test_rows, "missing": missing}
 
 
-def _as_records(rows: list[list[str]]) -> list[dict]:
+def _as_records(rows: list[list[str]]) -> list[dict[str, Any]]:
     records = []
     for row in rows:
         record = {}
@@ -81,7 +82,7 @@ def _as_records(rows: list[list[str]]) -> list[dict]:
 
 
 @pytest.fixture()
-def adult_dir(tmp_path: Path) -> tuple[Path, dict]:
+def adult_dir(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     rows = _write_adult(tmp_path / "adult")
     return tmp_path, rows
 
@@ -89,7 +90,7 @@ def adult_dir(tmp_path: Path) -> tuple[Path, dict]:
 # --------------------------------------------------------------------------- loading
 
 
-def test_load_synthetic_train(adult_dir: tuple[Path, dict]) -> None:
+def test_load_synthetic_train(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     data = load_adult(root=root)  # torchvision-style parent of adult/
     assert data.name == "adult" and data.split == "train"
@@ -116,7 +117,7 @@ def test_load_synthetic_train(adult_dir: tuple[Path, dict]) -> None:
     assert torch.equal(direct.features, data.features)
 
 
-def test_load_test_and_all_splits(adult_dir: tuple[Path, dict]) -> None:
+def test_load_test_and_all_splits(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     train = load_adult(root=root)
     test = load_adult(root=root, split="test")
@@ -129,7 +130,7 @@ def test_load_test_and_all_splits(adult_dir: tuple[Path, dict]) -> None:
     assert torch.equal(both.features[60:], test.features[:10])
 
 
-def test_keep_missing_values(adult_dir: tuple[Path, dict]) -> None:
+def test_keep_missing_values(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     data = load_adult(root=root, drop_missing=False)
     assert len(data) == len(rows["train"]) + 2  # both rows with a '?' are kept
@@ -154,7 +155,7 @@ def test_search_paths_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 # --------------------------------------------------------------------------- encode / decode
 
 
-def test_round_trip_is_exact(adult_dir: tuple[Path, dict]) -> None:
+def test_round_trip_is_exact(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     data = load_adult(root=root)
     records = _as_records(rows["train"])
@@ -165,7 +166,7 @@ def test_round_trip_is_exact(adult_dir: tuple[Path, dict]) -> None:
     for got, want in zip(unrounded, records, strict=True):
         for name, value in want.items():
             if isinstance(value, float):
-                assert abs(got[name] - value) < 0.1  # float32 storage of fnlwgt ~ 1e6
+                assert abs(float(got[name]) - value) < 0.1  # float32 storage of fnlwgt ~ 1e6
             else:
                 assert got[name] == value
     # argmax decoding of a noisy one-hot group
@@ -200,7 +201,7 @@ def test_schema_validation() -> None:
 # --------------------------------------------------------------------------- scoring
 
 
-def test_score_perfect_permuted_and_corrupted(adult_dir: tuple[Path, dict]) -> None:
+def test_score_perfect_permuted_and_corrupted(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     truth, _, _ = sample_tabular_batch(data, batch_size=12, seed=3)
@@ -238,7 +239,7 @@ def test_score_perfect_permuted_and_corrupted(adult_dir: tuple[Path, dict]) -> N
     assert partial.continuous_mae > 0 and partial.exact_fraction == pytest.approx(10 / 12)
 
 
-def test_score_and_decode_errors(adult_dir: tuple[Path, dict]) -> None:
+def test_score_and_decode_errors(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     truth = data.features[:4]
@@ -304,7 +305,7 @@ def test_malformed_files(tmp_path: Path) -> None:
         load_adult(root=directory, limit=0)
 
 
-def test_sample_batch_is_seeded(adult_dir: tuple[Path, dict]) -> None:
+def test_sample_batch_is_seeded(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     x1, y1, i1 = sample_tabular_batch(data, batch_size=16, seed=7)
@@ -319,7 +320,7 @@ def test_sample_batch_is_seeded(adult_dir: tuple[Path, dict]) -> None:
 # --------------------------------------------------------------------------- end to end
 
 
-def test_spear_pp_recovers_adult_rows_exactly(adult_dir: tuple[Path, dict]) -> None:
+def test_spear_pp_recovers_adult_rows_exactly(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     inputs, labels, _ = sample_tabular_batch(data, batch_size=8, seed=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,12 +22,12 @@ def _pixels(data: ImageData) -> np.ndarray:
 
 
 @pytest.fixture()
-def tiny_root(tmp_path: Path) -> tuple[Path, dict[str, list]]:
+def tiny_root(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     written = write_tiny_imagenet(tmp_path / "tiny-imagenet" / "tiny-imagenet-200")
     return tmp_path, written
 
 
-def test_train_split_round_robin_over_sorted_classes(tiny_root: tuple[Path, dict[str, list]]) -> None:
+def test_train_split_round_robin_over_sorted_classes(tiny_root: tuple[Path, dict[str, Any]]) -> None:
     root, written = tiny_root
     data = load_dataset("tiny-imagenet", root=root)
     assert data.image_shape == (3, 64, 64) and len(data) == 9 and data.num_classes == 3
@@ -37,7 +38,7 @@ def test_train_split_round_robin_over_sorted_classes(tiny_root: tuple[Path, dict
     assert data.mean == (0.485, 0.456, 0.406) and data.std == (0.229, 0.224, 0.225)
 
 
-def test_val_is_the_test_split_and_all_is_train_then_val(tiny_root: tuple[Path, dict[str, list]]) -> None:
+def test_val_is_the_test_split_and_all_is_train_then_val(tiny_root: tuple[Path, dict[str, Any]]) -> None:
     root, written = tiny_root
     test = load_dataset("tiny-imagenet", root=root, split="test")
     assert len(test) == 4
@@ -47,7 +48,7 @@ def test_val_is_the_test_split_and_all_is_train_then_val(tiny_root: tuple[Path, 
     assert len(both) == 13 and torch.equal(both.images[9:], test.images)
 
 
-def test_limit_decodes_only_the_first_images(tiny_root: tuple[Path, dict[str, list]]) -> None:
+def test_limit_decodes_only_the_first_images(tiny_root: tuple[Path, dict[str, Any]]) -> None:
     root, _ = tiny_root
     directory = root / "tiny-imagenet" / "tiny-imagenet-200"
     files, wnids = tiny_imagenet_files(directory, "train")
@@ -59,17 +60,17 @@ def test_limit_decodes_only_the_first_images(tiny_root: tuple[Path, dict[str, li
         load_dataset("tiny-imagenet", root=root, limit=6)
 
 
-def test_layouts_accepted(tiny_root: tuple[Path, dict[str, list]]) -> None:
+def test_layouts_accepted(tiny_root: tuple[Path, dict[str, Any]]) -> None:
     root, _ = tiny_root
     reference = load_dataset("tiny-imagenet", root=root, limit=3)
     for alternative in (root / "tiny-imagenet", root / "tiny-imagenet" / "tiny-imagenet-200"):
         # the folder that holds tiny-imagenet-200/, and the extracted folder itself
         again = load_dataset("tiny-imagenet", root=alternative, limit=3)
         assert torch.equal(again.images, reference.images)
-    assert check_dataset("tiny-imagenet", root=root) is None
+    check_dataset("tiny-imagenet", root=root)  # raises when missing
 
 
-def test_bad_files_are_named(tiny_root: tuple[Path, dict[str, list]]) -> None:
+def test_bad_files_are_named(tiny_root: tuple[Path, dict[str, Any]]) -> None:
     root, _ = tiny_root
     directory = root / "tiny-imagenet" / "tiny-imagenet-200"
     (directory / "val" / "val_annotations.txt").write_text("val_0.png\tn99\t0\t0\t1\t1\n")

@@ -102,12 +102,15 @@ class FetchPlan:
         succeeded (e.g. ``cifar-10-batches-py``); the rest (archives) is deleted.
     size
         Approximate download size, for the user.
+    read_from
+        Subfolder of ``<root>/<dataset>/`` the loader reads ("" for the folder itself).
     """
 
     name: str
     downloads: tuple[Download, ...]
     products: tuple[str, ...]
     size: str
+    read_from: str = ""
 
 
 def fetch_plan(name: str) -> FetchPlan:
@@ -132,7 +135,7 @@ def fetch_plan(name: str) -> FetchPlan:
         return FetchPlan(name, files, tuple(_ADULT_MD5), "6 MiB")
     if name == "tiny-imagenet":
         archive = Download((_TINY_IMAGENET_URL,), "tiny-imagenet-200.zip", _TINY_IMAGENET_MD5, extract=True)
-        return FetchPlan(name, (archive,), (TINY_IMAGENET_DIR,), "237 MiB")
+        return FetchPlan(name, (archive,), (TINY_IMAGENET_DIR,), "237 MiB", read_from=TINY_IMAGENET_DIR)
     raise ValueError(f"cannot fetch {name!r}; fetchable datasets: {list(FETCHABLE)}")
 
 
@@ -144,7 +147,8 @@ def staging_dir(name: str, root: Path) -> Path:
 def is_fetched(name: str, directory: Path) -> bool:
     """Whether ``directory`` (``<root>/<dataset>``) already holds everything a fetch would put there."""
     plan = fetch_plan(name)
-    return all((directory / p).exists() for p in plan.products) and probe_dataset(name, directory).found
+    readable = probe_dataset(name, directory / plan.read_from).found
+    return all((directory / p).exists() for p in plan.products) and readable
 
 
 def _one_line(error: BaseException) -> str:
@@ -253,7 +257,7 @@ def fetch_dataset(name: str, *, root: str | Path | None = None) -> tuple[Path, b
     for product in plan.products:
         _move_into_place(staging / product, directory / product)
     shutil.rmtree(staging)
-    presence = probe_dataset(name, directory)
+    presence = probe_dataset(name, directory / plan.read_from)
     if not presence.found:
         raise FetchError(f"{name} was downloaded to {directory} but cannot be read: {presence.problem}")
     return directory, True
