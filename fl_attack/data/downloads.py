@@ -237,7 +237,7 @@ def fetch_dataset(name: str, *, root: str | Path | None = None) -> tuple[Path, b
         When the data root cannot be written.
     """
     plan = fetch_plan(name)
-    base = Path(root).expanduser() if root is not None else default_data_root()
+    base = (Path(root).expanduser() if root is not None else default_data_root()).absolute()
     directory = base / DATASET_FOLDERS[name]
     if is_fetched(name, directory):
         return directory, False
