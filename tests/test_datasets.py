@@ -12,12 +12,15 @@ import torch
 from fl_attack.data.images import (
     DATA_ENV_VAR,
     DATASETS,
+    DatasetNotFoundError,
     ImageData,
     available_datasets,
+    check_dataset,
     data_search_paths,
     load_dataset,
     sample_batch,
 )
+from tests.fake_datasets import write_cifar10_batches, write_mnist_raw
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -34,7 +37,7 @@ def _check_normalized(data: ImageData) -> None:
 def test_registry_lists_datasets() -> None:
     names = available_datasets()
     assert names == list(DATASETS)
-    assert {"photo-patches", "digits", "faces", "cifar10", "mnist", "folder"} <= set(names)
+    assert {"photo-patches", "digits", "faces", "cifar10", "mnist", "tiny-imagenet", "folder"} <= set(names)
 
 
 def test_unknown_names_raise() -> None:
@@ -56,9 +59,7 @@ def test_digits() -> None:
     expected = torch.from_numpy(load_digits().images[:3] / 16.0).float()
     assert torch.allclose(data.denormalize(data.images[:3])[:, 0], expected, atol=1e-6)
     # Normalized with whole-dataset statistics.
-    assert abs(float(data.images.mean())) < 1e-3 and float(data.images.std()) == pytest.approx(
-        1, abs=1e-2
-    )
+    assert abs(float(data.images.mean())) < 1e-3 and float(data.images.std()) == pytest.approx(1, abs=1e-2)
 
 
 def test_fixed_split_every_fifth_sample() -> None:
@@ -175,14 +176,97 @@ def test_env_var_root_comes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert data_search_paths(tmp_path / "x") == [tmp_path / "x"]
 
 
-def test_missing_data_error_names_paths(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError) as info:
+def test_missing_data_error_is_one_line_naming_the_command(tmp_path: Path) -> None:
+    with pytest.raises(DatasetNotFoundError) as info:
         load_dataset("cifar10", root=tmp_path)
     message = str(info.value)
-    assert str(tmp_path) in message and str(tmp_path / "cifar10") in message
-    assert DATA_ENV_VAR in message and "download=True" in message
-    with pytest.raises(FileNotFoundError, match="mnist"):
+    assert message == (
+        "cifar10 is not on this machine: run `fl-attack-data fetch cifar10` (or pass data-root=DIR); "
+        f"looked in: {tmp_path}, {tmp_path / 'cifar10'}"
+    )
+    assert isinstance(info.value, FileNotFoundError) and info.value.looked_in == (
+        tmp_path,
+        tmp_path / "cifar10",
+    )
+    with pytest.raises(
+        DatasetNotFoundError, match=r"^mnist is not on this machine: run `fl-attack-data fetch mnist`"
+    ):
         load_dataset("mnist", root=tmp_path)
+    with pytest.raises(DatasetNotFoundError, match="fl-attack-data fetch tiny-imagenet"):
+        load_dataset("tiny-imagenet", root=tmp_path)
+
+
+def test_check_dataset_raises_without_loading(tmp_path: Path) -> None:
+    for name in ("cifar10", "mnist", "adult", "tiny-imagenet"):
+        with pytest.raises(DatasetNotFoundError) as info:
+            check_dataset(name, root=tmp_path)
+        assert str(info.value).startswith(f"{name} is not on this machine: run `fl-attack-data fetch {name}`")
+        assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+    for name in ("digits", "faces", "photo-patches"):
+        check_dataset(name, root=tmp_path)  # bundled: nothing to look for, no error
+    with pytest.raises(ValueError, match=r"unknown dataset 'imagenet'; available: \['photo-patches'"):
+        check_dataset("imagenet")
+    with pytest.raises(ValueError, match="needs root"):
+        check_dataset("folder")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_dataset("folder", root=tmp_path / "missing")
+    _fake_cifar_npz(tmp_path / "cifar10")
+    check_dataset("cifar10", root=tmp_path)  # now present: no error
+
+
+def test_check_dataset_names_a_partial_copy(tmp_path: Path) -> None:
+    write_cifar10_batches(tmp_path)
+    (tmp_path / "cifar-10-batches-py" / "test_batch").unlink()
+    with pytest.raises(DatasetNotFoundError) as info:
+        check_dataset("cifar10", root=tmp_path)
+    assert str(info.value).endswith(f"({tmp_path / 'cifar-10-batches-py'} lacks test_batch)")
+
+
+def test_dataset_not_found_error_survives_pickling(tmp_path: Path) -> None:
+    error = DatasetNotFoundError("mnist", [tmp_path, tmp_path / "mnist"], detail="half there")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is DatasetNotFoundError and str(copy) == str(error)
+    assert (copy.dataset, copy.looked_in, copy.detail) == (
+        "mnist",
+        (tmp_path, tmp_path / "mnist"),
+        "half there",
+    )
+
+
+def test_torchvision_cifar10_root_is_accepted(tmp_path: Path) -> None:
+    written = write_cifar10_batches(tmp_path)  # <root>/cifar-10-batches-py, torchvision's own root
+    train = load_dataset("cifar10", root=tmp_path)
+    test = load_dataset("cifar10", root=tmp_path, split="test")
+    assert len(train) == 15 and len(test) == 3 and train.classes == tuple(f"k{j}" for j in range(10))
+    expected = torch.from_numpy(written["test_batch"]).float() / 255
+    assert torch.allclose(test.denormalize(test.images), expected, atol=1e-6)
+    nested = tmp_path / "data"
+    write_cifar10_batches(nested / "cifar10")  # the fetch layout <root>/cifar10/cifar-10-batches-py
+    assert len(load_dataset("cifar10", root=nested, split="all")) == 18
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_torchvision_mnist_root_is_accepted(tmp_path: Path, gz: bool) -> None:
+    written = write_mnist_raw(tmp_path / "MNIST" / "raw", gz=gz)  # torchvision's own root
+    test = load_dataset("mnist", root=tmp_path, split="test")
+    assert test.image_shape == (1, 28, 28) and len(test) == 3
+    images, labels = written["test"]
+    assert torch.allclose(
+        test.denormalize(test.images)[:, 0], torch.from_numpy(images).float() / 255, atol=1e-6
+    )
+    assert test.labels.tolist() == labels.tolist()
+    assert len(load_dataset("mnist", root=tmp_path, split="all")) == 8
+    write_mnist_raw(tmp_path / "nested" / "mnist" / "MNIST" / "raw")
+    assert len(load_dataset("mnist", root=tmp_path / "nested")) == 5
+
+
+def test_mnist_truncated_file_is_named(tmp_path: Path) -> None:
+    raw = tmp_path / "MNIST" / "raw"
+    write_mnist_raw(raw)
+    path = raw / "t10k-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte: header promises shape \(3, 28, 28\)"):
+        load_dataset("mnist", root=tmp_path, split="test")
 
 
 def test_folder_dataset(tmp_path: Path) -> None:
@@ -210,9 +294,7 @@ def test_folder_dataset(tmp_path: Path) -> None:
         load_dataset("folder", root=tmp_path / "missing")
 
 
-@pytest.mark.skipif(
-    not (SHARED_DATA / "cifar10").is_dir(), reason="shared CIFAR-10 subset not present"
-)
+@pytest.mark.skipif(not (SHARED_DATA / "cifar10").is_dir(), reason="shared CIFAR-10 subset not present")
 def test_shared_cifar10_subset() -> None:
     data = load_dataset("cifar10", root=SHARED_DATA, split="test", limit=64)
     assert len(data) == 64 and data.classes is not None and data.classes[0] == "airplane"

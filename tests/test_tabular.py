@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from fl_attack import SpearPlusPlus
-from fl_attack.data.images import DATA_ENV_VAR
+from fl_attack.data.images import DATA_ENV_VAR, DatasetNotFoundError
 from fl_attack.data.tabular import (
     ADULT_CLASSES,
     ADULT_FEATURES,
@@ -55,7 +56,7 @@ def _random_rows(count: int, seed: int) -> list[list[str]]:
     return rows
 
 
-def _write_adult(directory: Path, *, train: int = 60, test: int = 20, seed: int = 0) -> dict:
+def _write_adult(directory: Path, *, train: int = 60, test: int = 20, seed: int = 0) -> dict[str, Any]:
     """Write adult.data / adult.test in the UCI format; return the complete rows written."""
     directory.mkdir(parents=True, exist_ok=True)
     train_rows = _random_rows(train, seed)
@@ -70,18 +71,18 @@ def _write_adult(directory: Path, *, train: int = 60, test: int = 20, seed: int 
     return {"train": train_rows, "test": test_rows, "missing": missing}
 
 
-def _as_records(rows: list[list[str]]) -> list[dict]:
+def _as_records(rows: list[list[str]]) -> list[dict[str, Any]]:
     records = []
     for row in rows:
         record = {}
-        for (name, categories), value in zip(ADULT_FEATURES, row):
+        for (name, categories), value in zip(ADULT_FEATURES, row[:-1], strict=True):  # row[-1]: label
             record[name] = value if categories is not None else float(value)
         records.append(record)
     return records
 
 
 @pytest.fixture()
-def adult_dir(tmp_path: Path) -> tuple[Path, dict]:
+def adult_dir(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     rows = _write_adult(tmp_path / "adult")
     return tmp_path, rows
 
@@ -89,7 +90,7 @@ def adult_dir(tmp_path: Path) -> tuple[Path, dict]:
 # --------------------------------------------------------------------------- loading
 
 
-def test_load_synthetic_train(adult_dir: tuple[Path, dict]) -> None:
+def test_load_synthetic_train(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     data = load_adult(root=root)  # torchvision-style parent of adult/
     assert data.name == "adult" and data.split == "train"
@@ -116,7 +117,7 @@ def test_load_synthetic_train(adult_dir: tuple[Path, dict]) -> None:
     assert torch.equal(direct.features, data.features)
 
 
-def test_load_test_and_all_splits(adult_dir: tuple[Path, dict]) -> None:
+def test_load_test_and_all_splits(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     train = load_adult(root=root)
     test = load_adult(root=root, split="test")
@@ -129,7 +130,7 @@ def test_load_test_and_all_splits(adult_dir: tuple[Path, dict]) -> None:
     assert torch.equal(both.features[60:], test.features[:10])
 
 
-def test_keep_missing_values(adult_dir: tuple[Path, dict]) -> None:
+def test_keep_missing_values(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     data = load_adult(root=root, drop_missing=False)
     assert len(data) == len(rows["train"]) + 2  # both rows with a '?' are kept
@@ -154,7 +155,7 @@ def test_search_paths_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 # --------------------------------------------------------------------------- encode / decode
 
 
-def test_round_trip_is_exact(adult_dir: tuple[Path, dict]) -> None:
+def test_round_trip_is_exact(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, rows = adult_dir
     data = load_adult(root=root)
     records = _as_records(rows["train"])
@@ -162,10 +163,10 @@ def test_round_trip_is_exact(adult_dir: tuple[Path, dict]) -> None:
     assert decoded == records  # categories and integer values recovered exactly
     assert torch.equal(data.encode(records), data.features)  # bit-exact re-encoding
     unrounded = decode_batch(data.features.double(), schema=data.schema)
-    for got, want in zip(unrounded, records):
+    for got, want in zip(unrounded, records, strict=True):
         for name, value in want.items():
             if isinstance(value, float):
-                assert abs(got[name] - value) < 0.1  # float32 storage of fnlwgt ~ 1e6
+                assert abs(float(got[name]) - value) < 0.1  # float32 storage of fnlwgt ~ 1e6
             else:
                 assert got[name] == value
     # argmax decoding of a noisy one-hot group
@@ -186,8 +187,9 @@ def test_schema_validation() -> None:
     b = TabularFeature(name="b", kind=DISCRETE, columns=slice(2, 4), categories=("x", "y"))
     with pytest.raises(ValueError, match="tile"):
         TabularSchema((a, b))
-    schema = TabularSchema((a, TabularFeature(name="b", kind=DISCRETE, columns=slice(1, 3),
-                                              categories=("x", "y"))))
+    schema = TabularSchema(
+        (a, TabularFeature(name="b", kind=DISCRETE, columns=slice(1, 3), categories=("x", "y")))
+    )
     with pytest.raises(ValueError, match="unknown category 'z'"):
         schema.encode([{"a": 1.0, "b": "z"}])
     with pytest.raises(ValueError, match="no value for feature 'b'"):
@@ -199,7 +201,7 @@ def test_schema_validation() -> None:
 # --------------------------------------------------------------------------- scoring
 
 
-def test_score_perfect_permuted_and_corrupted(adult_dir: tuple[Path, dict]) -> None:
+def test_score_perfect_permuted_and_corrupted(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     truth, _, _ = sample_tabular_batch(data, batch_size=12, seed=3)
@@ -237,7 +239,7 @@ def test_score_perfect_permuted_and_corrupted(adult_dir: tuple[Path, dict]) -> N
     assert partial.continuous_mae > 0 and partial.exact_fraction == pytest.approx(10 / 12)
 
 
-def test_score_and_decode_errors(adult_dir: tuple[Path, dict]) -> None:
+def test_score_and_decode_errors(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     truth = data.features[:4]
@@ -262,18 +264,21 @@ def test_score_and_decode_errors(adult_dir: tuple[Path, dict]) -> None:
 # --------------------------------------------------------------------------- file errors
 
 
-def test_missing_files_list_the_paths_tried(tmp_path: Path) -> None:
+def test_missing_files_give_one_line_naming_the_command(tmp_path: Path) -> None:
     empty = tmp_path / "nothing"
-    with pytest.raises(FileNotFoundError) as info:
+    with pytest.raises(DatasetNotFoundError) as info:
         load_adult(root=empty)
-    message = str(info.value)
-    assert "adult.data" in message and str(empty) in message and str(empty / "adult") in message
-    assert DATA_ENV_VAR in message
+    assert str(info.value) == (
+        "adult is not on this machine: run `fl-attack-data fetch adult` (or pass data-root=DIR); "
+        f"looked in: {empty}, {empty / 'adult'}"
+    )
+    assert isinstance(info.value, FileNotFoundError)
     only_train = tmp_path / "partial"
     _write_adult(only_train)
     (only_train / "adult.test").unlink()
     assert len(load_adult(root=only_train)) == 60  # the train split needs no test file
-    with pytest.raises(FileNotFoundError, match="missing: adult.test"):
+    partial = r"partial has only some of them \(missing: adult\.test\)\)$"
+    with pytest.raises(DatasetNotFoundError, match=partial):
         load_adult(root=only_train, split="test")
 
 
@@ -300,7 +305,7 @@ def test_malformed_files(tmp_path: Path) -> None:
         load_adult(root=directory, limit=0)
 
 
-def test_sample_batch_is_seeded(adult_dir: tuple[Path, dict]) -> None:
+def test_sample_batch_is_seeded(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     x1, y1, i1 = sample_tabular_batch(data, batch_size=16, seed=7)
@@ -315,7 +320,7 @@ def test_sample_batch_is_seeded(adult_dir: tuple[Path, dict]) -> None:
 # --------------------------------------------------------------------------- end to end
 
 
-def test_spear_pp_recovers_adult_rows_exactly(adult_dir: tuple[Path, dict]) -> None:
+def test_spear_pp_recovers_adult_rows_exactly(adult_dir: tuple[Path, dict[str, Any]]) -> None:
     root, _ = adult_dir
     data = load_adult(root=root)
     inputs, labels, _ = sample_tabular_batch(data, batch_size=8, seed=0)
