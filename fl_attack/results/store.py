@@ -4,396 +4,117 @@ A :class:`ReconstructionStore` owns one directory per federated run::
 
     <run>/
         run_config.json
-        attacks.csv                         one row per (round, client)
+        attacks.csv                         one row per stored attack
         history.json                        training and test metrics per round
         round-001/
             partition-0/
                 reconstruction.npy          recovered layer inputs, (b, n) float64
                 reconstruction.png          ground truth above reconstruction (matched)
-                metrics.json                quality, timing and error of the attack;
+                metrics.json                quality, timing, verdict and error of the attack;
                                             its ``grid`` entry locates every sample's
                                             tiles in reconstruction.png (see grid_layout)
 
-Reconstructions are private client data: directories are created with mode ``0o700``
-and files with mode ``0o600``. Every file is written to a temporary file in its target
-directory and moved into place with :func:`os.replace`, so a crash never leaves a
-half-written file behind. Arrays are stored as ``.npy`` with ``allow_pickle=False``.
+Guarantees:
+
+- **Private.** Directories the store creates get mode ``0o700``, files ``0o600``
+  (reconstructions are private client data). A directory it did not create is never chmodded.
+- **Complete or absent.** Every file is serialised to bytes, written to a temporary file,
+  fsynced, checked for its size on disk and renamed into place, and the directory is fsynced
+  (:mod:`fl_attack.results.files`). A failed write (disk full, file-size limit, ...) raises
+  :class:`StoreWriteError` naming the file, leaves the previous version intact and leaves no
+  temporary file. :meth:`ReconstructionStore.save` either stores an attack completely (its
+  files and its table row) or raises and removes what it had written for it.
+- **Never reset, never overwritten.** Opening an existing run directory is refused unless
+  ``resume=True``, which appends to its table and keeps the rows already there byte for byte.
+  An existing directory that is not a run directory (e.g. ``/tmp``) is left as it is and the
+  run goes into a new private subdirectory ``<dir>/audit-<timestamp>[-N]``;
+  :attr:`ReconstructionStore.directory` says where. A second attack saved for the same
+  (round, client), e.g. two clients claiming one partition id, gets its own directory
+  ``<name>-dup2`` (``-dup3``, ...) and its ``metrics.json`` names the directory it duplicates.
+- **Any name length.** A client name longer than 80 characters (a secure-aggregation group
+  of many clients) is stored under a short readable directory name plus a hash
+  (:mod:`fl_attack.results.naming`); the table's ``client`` column and ``metrics.json``
+  keep the full name, the ``directory`` column the short one.
+- **No records kept in memory.** :meth:`ReconstructionStore.save` returns the attack's
+  directory and :meth:`ReconstructionStore.rows` reads the table back, so a caller can drop
+  a record's arrays once it is saved.
+
+Arrays are stored as ``.npy`` with ``allow_pickle=False``.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import math
 import os
-import re
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
-from PIL import Image
 
-from fl_attack.vocabulary import INPUT_SPACES, STATUSES, VERDICTS
-
-#: Permission bits of every directory the store creates.
-DIRECTORY_MODE = 0o700
-#: Permission bits of every file the store writes.
-FILE_MODE = 0o600
-
-RUN_CONFIG_FILE = "run_config.json"
-TABLE_FILE = "attacks.csv"
-INPUTS_FILE = "reconstruction.npy"
-GRID_FILE = "reconstruction.png"
-METRICS_FILE = "metrics.json"
-HISTORY_FILE = "history.json"
-
-#: Columns of the run table, in order.
-TABLE_COLUMNS: tuple[str, ...] = (
-    "round",
-    "client",
-    "status",
-    "verdict",
-    "verdict_reason",
-    "input_space",
-    "seconds",
-    "batch_size",
-    "complete",
-    "sparsity_matching",
-    "num_references",
-    "mean_psnr",
-    "min_psnr",
-    "exact_fraction",
-    "approx_fraction",
-    "batch_exact",
-    "error",
-    "directory",
-    "queued_at",
-    "started_at",
-    "finished_at",
+from fl_attack.results.files import (
+    DIRECTORY_MODE,
+    FILE_MODE,
+    StoreWriteError,
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_npy,
+    claim_fresh_directory,
+    jsonable,
+    make_private_directory,
+)
+from fl_attack.results.images import GRID_FILE, encode_png, grid_document, grid_layout, image_grid
+from fl_attack.results.naming import DUPLICATE_SEPARATOR, unit_directory_name
+from fl_attack.results.record import TABLE_COLUMNS, AttackRecord
+from fl_attack.results.rundir import (
+    RUN_CONFIG_FILE,
+    TABLE_FILE,
+    RunDirectoryExistsError,
+    is_run_directory,
+    open_run_directory,
+    timestamp,
+)
+from fl_attack.results.table import (
+    TableFormatError,
+    header_bytes,
+    load_table,
+    parse_header,
+    parse_rows,
+    rows_bytes,
 )
 
-_STATUSES = STATUSES
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+__all__ = [
+    "DIRECTORY_MODE",
+    "FILE_MODE",
+    "GRID_FILE",
+    "HISTORY_FILE",
+    "INPUTS_FILE",
+    "METRICS_FILE",
+    "RUN_CONFIG_FILE",
+    "TABLE_COLUMNS",
+    "TABLE_FILE",
+    "AttackRecord",
+    "ReconstructionStore",
+    "RunDirectoryExistsError",
+    "StoreWriteError",
+    "TableFormatError",
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_npy",
+    "encode_png",
+    "grid_layout",
+    "image_grid",
+    "is_run_directory",
+    "load_table",
+    "make_private_directory",
+]
 
-
-@dataclass(frozen=True)
-class AttackRecord:
-    """Everything stored about one attack on one client's update.
-
-    Attributes
-    ----------
-    server_round : int
-        Federated round (starting at 1) in which the update was sent.
-    client : str
-        Directory-safe client name, e.g. ``"partition-3"`` or ``"node-81723"``.
-    status : str
-        ``"ok"``, ``"error"``, ``"timeout"`` or ``"out-of-memory"``.
-    seconds : float
-        Wall-clock time spent on the attack.
-    inputs : numpy.ndarray or None
-        ``(b, n)`` reconstructed layer inputs, in the attacker's order.
-    reconstructed_images : numpy.ndarray or None
-        ``(k, C, H, W)`` reconstructions in ``[0, 1]`` for the PNG grid; when
-        ``reference_images`` is given, row ``i`` is matched to reference ``i``.
-    reference_images : numpy.ndarray or None
-        ``(k, C, H, W)`` ground-truth images in ``[0, 1]`` (only when scored).
-    attack : Mapping[str, Any]
-        What the attacker itself reports (batch size, sparsity-matching coefficient,
-        completeness, ...), computed without the ground truth.
-    quality : Mapping[str, Any]
-        Scalar quality against the ground truth (mean PSNR, exact fraction, ...).
-    psnr : Sequence[float] or None
-        PSNR in dB of every ground-truth sample against its matched reconstruction.
-    error : str or None
-        Why the attack failed, when ``status`` is not ``"ok"``.
-    details : Mapping[str, Any]
-        Further JSON-serialisable facts (node id, partition id, training mode, ...).
-    """
-
-    server_round: int
-    client: str
-    status: str
-    seconds: float
-    inputs: np.ndarray | None = None
-    reconstructed_images: np.ndarray | None = None
-    reference_images: np.ndarray | None = None
-    attack: Mapping[str, Any] = field(default_factory=dict)
-    quality: Mapping[str, Any] = field(default_factory=dict)
-    psnr: Sequence[float] | None = None
-    error: str | None = None
-    details: Mapping[str, Any] = field(default_factory=dict)
-    verdict: str | None = None
-    verdict_reason: str | None = None
-    input_space: str | None = None
-    queued_at: float | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-
-    def __post_init__(self) -> None:
-        """Validate the fields that end up in paths and tables."""
-        if self.server_round < 0:
-            raise ValueError(f"server_round must be non-negative, got {self.server_round}")
-        if not _SAFE_NAME.match(self.client):
-            raise ValueError(
-                f"client name {self.client!r} is not directory-safe "
-                "(letters, digits, '_', '.', '-'; not starting with '.' or '-')"
-            )
-        if self.status not in _STATUSES:
-            raise ValueError(f"status must be one of {_STATUSES}, got {self.status!r}")
-        if self.verdict is not None and self.verdict not in VERDICTS:
-            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
-        if self.input_space is not None and self.input_space not in INPUT_SPACES:
-            raise ValueError(f"input_space must be one of {INPUT_SPACES}, got {self.input_space!r}")
-
-    def metrics(self) -> dict[str, Any]:
-        """The JSON document stored as ``metrics.json`` (no arrays)."""
-        return _jsonable(
-            {
-                "round": self.server_round,
-                "client": self.client,
-                "status": self.status,
-                "verdict": self.verdict,
-                "verdict_reason": self.verdict_reason,
-                "input_space": self.input_space,
-                "seconds": self.seconds,
-                "queued_at": self.queued_at,
-                "started_at": self.started_at,
-                "finished_at": self.finished_at,
-                "error": self.error,
-                "complete": self.attack.get("complete"),
-                "sparsity_matching": self.attack.get("sparsity_matching"),
-                "batch_size": self.attack.get("batch_size"),
-                "attack": dict(self.attack),
-                "quality": dict(self.quality),
-                "psnr": None if self.psnr is None else [float(v) for v in self.psnr],
-                "details": dict(self.details),
-            }
-        )
-
-    def table_row(self, directory: str) -> dict[str, Any]:
-        """One row of the run table."""
-        psnr = None if self.psnr is None else [float(v) for v in self.psnr]
-        row = {
-            "round": self.server_round,
-            "client": self.client,
-            "status": self.status,
-            "verdict": self.verdict,
-            "verdict_reason": self.verdict_reason,
-            "input_space": self.input_space,
-            "seconds": round(float(self.seconds), 4),
-            "batch_size": self.attack.get("batch_size"),
-            "complete": self.attack.get("complete"),
-            "sparsity_matching": self.attack.get("sparsity_matching"),
-            "num_references": None if psnr is None else len(psnr),
-            "mean_psnr": self.quality.get("mean_psnr"),
-            "min_psnr": min(psnr) if psnr else None,
-            "exact_fraction": self.quality.get("exact_fraction"),
-            "approx_fraction": self.quality.get("approx_fraction"),
-            "batch_exact": self.quality.get("batch_exact"),
-            "error": self.error,
-            "directory": directory,
-            "queued_at": self.queued_at,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-        }
-        return {key: "" if value is None else value for key, value in row.items()}
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
-    """Write a file so that it either appears complete or not at all.
-
-    ``write`` receives a binary file object opened on a temporary file in the target
-    directory (mode ``0o600``). Once it returns, the data is flushed to disk and the
-    temporary file is renamed over ``path``. If ``write`` raises, the temporary file is
-    removed, an existing ``path`` is left untouched, and the exception propagates.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        Final location of the file.
-    write : Callable[[IO[bytes]], None]
-        Writes the whole content to the given file object.
-
-    Returns
-    -------
-    Path
-        The path written.
-    """
-    target = Path(path)
-    descriptor, temporary = tempfile.mkstemp(
-        dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
-    )
-    try:
-        os.fchmod(descriptor, FILE_MODE)
-        with os.fdopen(descriptor, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
-        raise
-    return target
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Atomically write ``data`` to ``path`` (see :func:`atomic_write`)."""
-    return atomic_write(path, lambda handle: handle.write(data))
-
-
-def atomic_write_json(path: str | os.PathLike[str], document: Any) -> Path:
-    """Atomically write ``document`` as indented JSON (NaN/Inf become ``null``)."""
-    text = json.dumps(_jsonable(document), indent=2, sort_keys=False, allow_nan=False)
-    return atomic_write_bytes(path, (text + "\n").encode("utf-8"))
-
-
-def atomic_write_npy(path: str | os.PathLike[str], array: np.ndarray) -> Path:
-    """Atomically write ``array`` in ``.npy`` format, refusing object arrays."""
-    values = np.asarray(array)
-    if values.dtype == object:
-        raise TypeError("object arrays cannot be stored without pickle")
-    return atomic_write(path, lambda handle: np.save(handle, values, allow_pickle=False))
-
-
-def make_private_directory(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` and its missing parents, giving the leaf mode ``0o700``.
-
-    Existing directories are kept, but the leaf's mode is tightened to ``0o700``.
-    """
-    directory = Path(path)
-    directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
-    os.chmod(directory, DIRECTORY_MODE)
-    return directory
-
-
-#: Upper bound of a per-tile PSNR (mirrors ``fl_attack.evaluation.metrics.PSNR_CAP_DB``).
-_PSNR_CAP_DB = 300.0
-
-
-def grid_layout(
-    image_shape: Sequence[int],
-    *,
-    rows: int,
-    columns: int,
-    min_tile: int = 64,
-    padding: int = 2,
-) -> dict[str, int]:
-    """Pixel geometry of a picture drawn by :func:`image_grid`.
-
-    Tile ``(row, column)`` of the picture occupies the box
-    ``left = padding + column * (tile_width + padding)``,
-    ``top = padding + row * (tile_height + padding)``, of size
-    ``tile_width x tile_height``.
-
-    Parameters
-    ----------
-    image_shape : Sequence[int]
-        ``(C, H, W)`` or ``(H, W)`` of one image.
-    rows : int
-        Rows of tiles (2 with ground truth, else 1).
-    columns : int
-        Columns of tiles.
-    min_tile : int (default: 64)
-        As in :func:`image_grid`.
-    padding : int (default: 2)
-        As in :func:`image_grid`.
-
-    Returns
-    -------
-    dict[str, int]
-        ``rows``, ``columns``, ``tile_height``, ``tile_width``, ``padding``, ``scale``,
-        ``height`` and ``width`` (of the whole picture).
-    """
-    height, width = (int(size) for size in tuple(image_shape)[-2:])
-    scale = max(1, math.ceil(min_tile / max(height, width)))
-    tile_h, tile_w = height * scale, width * scale
-    return {
-        "rows": int(rows),
-        "columns": int(columns),
-        "tile_height": tile_h,
-        "tile_width": tile_w,
-        "padding": int(padding),
-        "scale": scale,
-        "height": rows * tile_h + (rows + 1) * padding,
-        "width": columns * tile_w + (columns + 1) * padding,
-    }
-
-
-def image_grid(
-    reconstructed: np.ndarray,
-    reference: np.ndarray | None = None,
-    *,
-    min_tile: int = 64,
-    padding: int = 2,
-) -> np.ndarray:
-    """Tile images into one ``uint8`` RGB picture: ground truth on top, reconstructions below.
-
-    Parameters
-    ----------
-    reconstructed : numpy.ndarray
-        ``(k, C, H, W)`` images in ``[0, 1]`` with ``C`` in ``{1, 3}``.
-    reference : numpy.ndarray or None
-        ``(k', C, H, W)`` ground truth drawn in a first row; column ``i`` pairs
-        ``reference[i]`` with ``reconstructed[i]``.
-    min_tile : int (default: 64)
-        Images are enlarged by an integer factor (nearest neighbour) to at least
-        this many pixels per side.
-    padding : int (default: 2)
-        White pixels between tiles.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``(height, width, 3)`` ``uint8`` array.
-    """
-    rows = [reconstructed] if reference is None else [reference, reconstructed]
-    for images in rows:
-        if images.ndim != 4 or images.shape[1] not in (1, 3):
-            raise ValueError(f"expected (k, C, H, W) images with C in {{1, 3}}, got {images.shape}")
-    height, width = rows[0].shape[2:]
-    if any(images.shape[2:] != (height, width) for images in rows):
-        raise ValueError("all images of a grid must share their height and width")
-    columns = max(1, max(len(images) for images in rows))
-    layout = grid_layout(
-        rows[0].shape, rows=len(rows), columns=columns, min_tile=min_tile, padding=padding
-    )
-    scale, tile_h, tile_w = layout["scale"], layout["tile_height"], layout["tile_width"]
-    canvas = np.full((layout["height"], layout["width"], 3), 255, dtype=np.uint8)
-    for row_index, images in enumerate(rows):
-        for column, image in enumerate(images):
-            rgb = np.repeat(image, 3, axis=0) if image.shape[0] == 1 else image
-            pixels = np.clip(np.nan_to_num(rgb.transpose(1, 2, 0), nan=0.0), 0.0, 1.0)
-            pixels = np.kron(pixels, np.ones((scale, scale, 1)))
-            top = padding + row_index * (tile_h + padding)
-            left = padding + column * (tile_w + padding)
-            canvas[top : top + tile_h, left : left + tile_w] = np.round(pixels * 255).astype(np.uint8)
-    return canvas
-
-
-def encode_png(picture: np.ndarray) -> bytes:
-    """Encode a ``(height, width, 3)`` ``uint8`` array as PNG bytes."""
-    buffer = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(picture, dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def default_run_directory(base: str | os.PathLike[str] = "outputs") -> Path:
-    """A fresh ``<base>/<YYYYmmdd-HHMMSS>[-k]`` path that does not exist yet."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    candidate = Path(base) / stamp
-    suffix = 1
-    while candidate.exists():
-        candidate = Path(base) / f"{stamp}-{suffix}"
-        suffix += 1
-    return candidate
+INPUTS_FILE = "reconstruction.npy"
+METRICS_FILE = "metrics.json"
+HISTORY_FILE = "history.json"
 
 
 class ReconstructionStore:
@@ -402,9 +123,31 @@ class ReconstructionStore:
     Parameters
     ----------
     directory : str or os.PathLike
-        Run directory; created (mode ``0o700``) when missing.
+        Output directory. Created (mode ``0o700``) when missing; an existing run directory
+        is refused unless ``resume``; any other existing directory gets a new private
+        subdirectory ``audit-<timestamp>[-N]`` for the run (see :attr:`directory`).
     run_config : Mapping[str, Any] or None (default: None)
-        Configuration of the run, written to ``run_config.json``.
+        Configuration of the run, written to ``run_config.json``. When resuming, it must
+        equal the stored one (when there is one).
+    resume : bool (default: False)
+        Append to the existing run directory ``directory``.
+
+    Attributes
+    ----------
+    directory : Path
+        The absolute run directory actually written.
+
+    Raises
+    ------
+    RunDirectoryExistsError
+        ``directory`` already holds a run and ``resume`` is False.
+    FileNotFoundError
+        ``resume`` is True and ``directory`` is not a run directory.
+    ValueError
+        When resuming with a ``run_config`` other than the stored one, or a table that
+        cannot be read (:class:`TableFormatError`).
+    StoreWriteError
+        A directory or file could not be written.
 
     Examples
     --------
@@ -412,6 +155,7 @@ class ReconstructionStore:
 
         store = ReconstructionStore.create(None, run_config={"width": 200})
         store.save(AttackRecord(server_round=1, client="partition-0", status="ok", ...))
+        rows = store.rows()
     """
 
     def __init__(
@@ -419,13 +163,10 @@ class ReconstructionStore:
         directory: str | os.PathLike[str],
         *,
         run_config: Mapping[str, Any] | None = None,
+        resume: bool = False,
     ) -> None:
-        self.directory = make_private_directory(Path(directory).resolve())
-        self._rows: list[dict[str, Any]] = []
-        self.records: list[AttackRecord] = []
-        if run_config is not None:
-            atomic_write_json(self.directory / RUN_CONFIG_FILE, dict(run_config))
-        atomic_write(self.table_path, self._write_table)
+        run_directory, created = open_run_directory(directory, resume=resume)
+        self._open(run_directory, run_config=run_config, created=created)
 
     @classmethod
     def create(
@@ -434,12 +175,92 @@ class ReconstructionStore:
         *,
         run_config: Mapping[str, Any] | None = None,
         base: str | os.PathLike[str] = "outputs",
+        resume: bool = False,
     ) -> ReconstructionStore:
-        """Open ``output_dir``, or a fresh ``<base>/<timestamp>`` directory when it is None."""
-        directory = default_run_directory(base) if output_dir in (None, "") else Path(output_dir)
-        if output_dir in (None, ""):
-            make_private_directory(Path(base))
-        return cls(directory, run_config=run_config)
+        """Open ``output_dir`` as the constructor does, or a fresh ``<base>/<timestamp>[-N]`` when None.
+
+        Parameters
+        ----------
+        output_dir : str or os.PathLike or None (default: None)
+            Output directory; None or ``""`` claims a new directory under ``base``.
+        run_config : Mapping[str, Any] or None (default: None)
+            Configuration of the run, written to ``run_config.json``.
+        base : str or os.PathLike (default: "outputs")
+            Parent of new run directories when ``output_dir`` is None (created when missing;
+            an existing one is not modified).
+        resume : bool (default: False)
+            Append to the existing run directory ``output_dir``.
+
+        Returns
+        -------
+        ReconstructionStore
+        """
+        if output_dir is not None and os.fspath(output_dir) != "":
+            return cls(output_dir, run_config=run_config, resume=resume)
+        if resume:
+            raise ValueError("resume=True needs the run directory to resume as output_dir")
+        parent = make_private_directory(Path(base).expanduser().resolve())
+        store = cls.__new__(cls)
+        store._open(claim_fresh_directory(parent, timestamp()), run_config=run_config, created=True)
+        return store
+
+    def _open(self, directory: Path, *, run_config: Mapping[str, Any] | None, created: bool) -> None:
+        self.directory = directory
+        #: First directory (relative to the run) stored for each (round, client).
+        self._first_directory: dict[tuple[int, str], str] = {}
+        try:
+            if self.table_path.exists():
+                self._load_table()
+            else:
+                self._columns = TABLE_COLUMNS
+                self._table = header_bytes()
+            self._store_run_config(run_config)
+            if not self.table_path.exists():
+                atomic_write_bytes(self.table_path, self._table)
+        except BaseException:
+            if created:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    def _load_table(self) -> None:
+        content = self.table_path.read_bytes()
+        self._columns = parse_header(content, source=self.table_path)
+        if not content.endswith(b"\n"):
+            content += b"\n"
+        for line, row in enumerate(parse_rows(content), start=2):
+            try:
+                key = (int(row["round"]), row["client"])
+            except ValueError as error:
+                raise TableFormatError(
+                    f"{self.table_path}, row {line}: round {row['round']!r} is not an integer"
+                ) from error
+            self._first_directory.setdefault(key, row["directory"])
+        self._table = content
+
+    def _store_run_config(self, run_config: Mapping[str, Any] | None) -> None:
+        if run_config is None:
+            return
+        path = self.directory / RUN_CONFIG_FILE
+        document = jsonable(dict(run_config))
+        if path.exists():
+            try:
+                stored = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as error:
+                raise ValueError(
+                    f"cannot resume {self.directory}: {path.name} is not valid JSON ({error})"
+                ) from error
+            if not isinstance(stored, dict):
+                raise ValueError(f"cannot resume {self.directory}: {path.name} does not hold a JSON object")
+            if stored != document:
+                differing = sorted(
+                    key for key in set(stored) | set(document) if stored.get(key) != document.get(key)
+                )
+                raise ValueError(
+                    f"cannot resume {self.directory} with another run config: "
+                    f"{', '.join(differing)} differ from {RUN_CONFIG_FILE}"
+                )
+            return
+        atomic_write_json(path, document)
 
     @property
     def table_path(self) -> Path:
@@ -447,118 +268,81 @@ class ReconstructionStore:
         return self.directory / TABLE_FILE
 
     def attack_directory(self, server_round: int, client: str) -> Path:
-        """Directory holding the files of one (round, client) attack."""
-        return self.directory / f"round-{server_round:03d}" / client
+        """Directory of the first attack stored for (``server_round``, ``client``).
+
+        The name is ``client``'s own, or a short name plus a hash for a long one; a later
+        duplicate of the same (round, client) is stored beside it with a ``-dupN`` suffix.
+        """
+        first = self._first_directory.get((server_round, client))
+        if first is not None:
+            return self.directory / first
+        return self.directory / f"round-{server_round:03d}" / unit_directory_name(client)
 
     def save(self, record: AttackRecord) -> Path:
         """Write one attack's files and its table row; return its directory.
 
-        Saving the same (round, client) twice replaces the earlier files and row.
+        Either everything is written (files complete on disk, row in ``attacks.csv``) or
+        this raises and removes the files it had written for the record. Earlier attacks are
+        never changed: a second record for the same (round, client) gets its own directory.
+
+        Parameters
+        ----------
+        record : AttackRecord
+            The attack; the store keeps no reference to it.
+
+        Returns
+        -------
+        Path
+            The attack's directory.
+
+        Raises
+        ------
+        StoreWriteError
+            A file could not be written completely (disk full, file too large, ...).
         """
         round_directory = make_private_directory(self.directory / f"round-{record.server_round:03d}")
-        directory = make_private_directory(round_directory / record.client)
+        key = (record.server_round, record.client)
+        directory = claim_fresh_directory(
+            round_directory, unit_directory_name(record.client), separator=DUPLICATE_SEPARATOR
+        )
+        relative = directory.relative_to(self.directory).as_posix()
+        try:
+            self._write_files(
+                record, directory, relative=relative, duplicate_of=self._first_directory.get(key)
+            )
+            table = self._table + rows_bytes([record.table_row(relative)], columns=self._columns)
+            atomic_write_bytes(self.table_path, table)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self._table = table
+        self._first_directory.setdefault(key, relative)
+        return directory
+
+    @staticmethod
+    def _write_files(
+        record: AttackRecord, directory: Path, *, relative: str, duplicate_of: str | None
+    ) -> None:
         if record.inputs is not None:
             atomic_write_npy(directory / INPUTS_FILE, np.asarray(record.inputs, dtype=np.float64))
         document = record.metrics()
+        document["directory"] = relative
+        document["duplicate_of"] = duplicate_of
         if record.reconstructed_images is not None and len(record.reconstructed_images):
             reconstructed = np.asarray(record.reconstructed_images, dtype=np.float64)
             reference = (
-                None if record.reference_images is None else np.asarray(record.reference_images, dtype=np.float64)
+                None
+                if record.reference_images is None
+                else np.asarray(record.reference_images, dtype=np.float64)
             )
-            picture = image_grid(reconstructed, reference)
-            atomic_write_bytes(directory / GRID_FILE, encode_png(picture))
-            document["grid"] = _grid_document(reconstructed, reference, record.psnr)
+            atomic_write_bytes(directory / GRID_FILE, encode_png(image_grid(reconstructed, reference)))
+            document["grid"] = grid_document(reconstructed, reference=reference, psnr=record.psnr)
         atomic_write_json(directory / METRICS_FILE, document)
 
-        relative = str(directory.relative_to(self.directory))
-        self._rows = [
-            row
-            for row in self._rows
-            if (row["round"], row["client"]) != (record.server_round, record.client)
-        ]
-        self.records = [
-            kept
-            for kept in self.records
-            if (kept.server_round, kept.client) != (record.server_round, record.client)
-        ]
-        self._rows.append(record.table_row(relative))
-        self.records.append(record)
-        atomic_write(self.table_path, self._write_table)
-        return directory
+    def rows(self) -> list[dict[str, str]]:
+        """The run table read back from disk, one dict per stored attack (see :func:`load_table`)."""
+        return load_table(self.table_path)
 
     def save_history(self, history: Mapping[str, Any]) -> Path:
         """Write the run's per-round training/evaluation metrics to ``history.json``."""
-        return atomic_write_json(self.directory / HISTORY_FILE, _jsonable(dict(history)))
-
-    def _write_table(self, handle: IO[bytes]) -> None:
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=TABLE_COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(self._rows)
-        handle.write(text.getvalue().encode("utf-8"))
-
-
-def _grid_document(
-    reconstructed: np.ndarray, reference: np.ndarray | None, psnr: Sequence[float] | None
-) -> dict[str, Any]:
-    """Where each sample lies in ``reconstruction.png``, and its PSNR per column.
-
-    ``column_psnr[i]`` scores column ``i`` (ground truth above its matched
-    reconstruction). When every ground-truth sample has a column, these are the scores
-    in ``psnr`` (``column_psnr_source = "scores"``); otherwise (some samples were not
-    matched) they are recomputed from the drawn images (``"images"``).
-    """
-    rows = 1 if reference is None else 2
-    columns = max(len(reconstructed), 0 if reference is None else len(reference))
-    document: dict[str, Any] = {
-        "file": GRID_FILE,
-        "row_names": ["reconstruction"] if reference is None else ["reference", "reconstruction"],
-        "image_shape": [int(size) for size in reconstructed.shape[1:]],
-        **grid_layout(reconstructed.shape, rows=rows, columns=columns),
-        "column_psnr": None,
-        "column_psnr_source": None,
-    }
-    if reference is None:
-        return document
-    paired = min(len(reference), len(reconstructed))
-    if psnr is not None and len(psnr) == paired == len(reference):
-        document["column_psnr"] = [float(value) for value in psnr]
-        document["column_psnr_source"] = "scores"
-    else:
-        difference = np.clip(reconstructed[:paired], 0.0, 1.0) - np.clip(reference[:paired], 0.0, 1.0)
-        mse = np.mean(np.square(difference).reshape(paired, -1), axis=1)
-        with np.errstate(divide="ignore"):
-            values = np.minimum(-10.0 * np.log10(mse), _PSNR_CAP_DB)
-        document["column_psnr"] = [float(value) for value in values]
-        document["column_psnr_source"] = "images"
-    return document
-
-
-def load_table(path: str | os.PathLike[str]) -> list[dict[str, str]]:
-    """Read a run table written by :class:`ReconstructionStore` (values as strings)."""
-    with open(path, newline="", encoding="utf-8") as handle:
-        return list(csv.DictReader(handle))
-
-
-def _jsonable(value: Any) -> Any:
-    """Convert numpy/torch scalars and arrays to plain JSON values; NaN/Inf to None."""
-    if isinstance(value, Mapping):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if hasattr(value, "tolist") and callable(value.tolist):
-        return _jsonable(value.tolist())
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        number = float(value)
-        return number if math.isfinite(number) else None
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return str(value)
+        return atomic_write_json(self.directory / HISTORY_FILE, jsonable(dict(history)))
