@@ -39,14 +39,13 @@ def check_data(config: Mapping[str, UserConfigValue]) -> None:
     ValueError
         With one line naming the dataset and how to get it.
     """
-    from fl_attack.data.images import load_dataset
+    from fl_attack.data.images import check_dataset
 
     name, root = str(config["dataset"]), str(config["data-root"]) or None
     try:
-        load_dataset(name, root=root, split="train", limit=1)
+        check_dataset(name, root=root)
     except (FileNotFoundError, ValueError) as error:
-        first = str(error).splitlines()[0]
-        raise ValueError(f"dataset {name!r} cannot be loaded: {first}") from None
+        raise ValueError(str(error).splitlines()[0]) from None
 
 
 class AuditSimulationError(RuntimeError):
@@ -104,6 +103,7 @@ def run_audit_simulation(
     """
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
+    from fl_attack.results.rundir import is_run_directory
     from fl_attack.results.store import TABLE_FILE
     from strategies.run_config import resolve_run_config
     from strategies.server_app import create_server_app
@@ -117,6 +117,11 @@ def run_audit_simulation(
     if not settings.get("output-dir"):
         settings["output-dir"] = str(Path("outputs") / time.strftime("audit-%Y%m%d-%H%M%S"))
     output = Path(str(settings["output-dir"])).resolve()
+    if is_run_directory(output):
+        raise ValueError(f"{output} already holds an audit run; it is never reset: choose another output-dir")
+    if output.exists():
+        # an existing directory keeps its mode and contents: the run gets a new one inside it
+        output = output / time.strftime("audit-%Y%m%d-%H%M%S")
     settings["output-dir"] = str(output)
     resolved = resolve_run_config({}, settings)  # fail here, not inside the ServerApp thread
     check_data(resolved)
@@ -189,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         output = run_audit_simulation(overrides, num_supernodes=args.num_supernodes, cpus=args.cpus)
-    except (ValueError, AuditSimulationError) as error:
+    except (ValueError, RuntimeError) as error:
         print(f"fl-attack-audit: {error}", file=sys.stderr)
         return 1
     rows = load_table(output / TABLE_FILE)

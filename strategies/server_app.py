@@ -122,7 +122,17 @@ def run_audit(
         _write_report(store)
     if isinstance(strategy, HonestButCuriousStrategy):
         _log_audit(strategy)
+        failures = strategy.auditor.store_failures
+        if failures:
+            raise AuditStoreError(
+                f"{len(failures)} attack results could not be stored (first: {failures[0]}); "
+                "training finished, but the audit is incomplete"
+            )
     return result, strategy
+
+
+class AuditStoreError(RuntimeError):
+    """Some attack results could not be written (a full disk, a file-size limit)."""
 
 
 def _write_report(store: ReconstructionStore) -> Path | None:

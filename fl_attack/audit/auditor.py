@@ -8,6 +8,7 @@ ground truth, when a client sent it, is used afterwards for scoring only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -118,6 +119,8 @@ class Auditor:
         self.secagg_group_size = secagg_group_size
         self.layer: LayerKeys | None = None
         self.records: list[AttackRecord] = []
+        #: Why results could not be stored (a full disk, ...): the run must not end as a success.
+        self.store_failures: list[str] = []
         self._global_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     # ---------------------------------------------------------------- round API
