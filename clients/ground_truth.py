@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, Context, RecordDict
 from torch import nn
 
 from fl_attack.audit.protocol import GROUND_TRUTH_INPUTS, GROUND_TRUTH_KEY, NODE_GROUND_TRUTH_KEY
@@ -100,5 +100,5 @@ def attach_ground_truth(
         return False
     batch = torch.as_tensor(inputs)
     values = layer_inputs(model, batch) if model is not None else batch.reshape(batch.shape[0], -1)
-    content[GROUND_TRUTH_KEY] = ArrayRecord({GROUND_TRUTH_INPUTS: values.to(torch.float64).numpy()})
+    content[GROUND_TRUTH_KEY] = ArrayRecord({GROUND_TRUTH_INPUTS: Array(values.to(torch.float64).numpy())})
     return True

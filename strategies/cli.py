@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import shlex
 import sys
 import time
@@ -46,6 +47,14 @@ def check_data(config: Mapping[str, UserConfigValue]) -> None:
         check_dataset(name, root=root)
     except (FileNotFoundError, ValueError) as error:
         raise ValueError(str(error).splitlines()[0]) from None
+
+
+class _HideRunSimulationDeprecation(logging.Filter):
+    """Flower warns that ``run_simulation`` is deprecated; this command uses it on purpose
+    (in-process, no SuperLink left behind), so the warning is not a user's concern."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "run_simulation" not in record.getMessage() or "deprecated" not in record.getMessage()
 
 
 class AuditSimulationError(RuntimeError):
@@ -126,18 +135,34 @@ def run_audit_simulation(
     resolved = resolve_run_config({}, settings)  # fail here, not inside the ServerApp thread
     check_data(resolved)
     create_client_app = _load_attribute(CLIENT_APP_FACTORY)
+    flower_logger = logging.getLogger("flwr")
+    quiet = _HideRunSimulationDeprecation()
+    flower_logger.addFilter(quiet)
+    try:
+        _run(
+            run_simulation,
+            create_server_app(settings),
+            create_client_app(resolved, ground_truth=True),
+            num_supernodes,
+            cpus,
+        )
+    finally:
+        flower_logger.removeFilter(quiet)
+    if not (output / TABLE_FILE).exists():
+        raise AuditSimulationError(f"the run wrote no results table at {output / TABLE_FILE}")
+    return output
+
+
+def _run(run_simulation: Any, server_app: Any, client_app: Any, num_supernodes: int, cpus: int) -> None:
     run_simulation(
-        server_app=create_server_app(settings),
-        client_app=create_client_app(resolved, ground_truth=True),
+        server_app=server_app,
+        client_app=client_app,
         num_supernodes=num_supernodes,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             "init_args": {"num_cpus": cpus, "num_gpus": 0},
         },
     )
-    if not (output / TABLE_FILE).exists():
-        raise AuditSimulationError(f"the run wrote no results table at {output / TABLE_FILE}")
-    return output
 
 
 def _share(rows: list[dict[str, str]]) -> float | None:

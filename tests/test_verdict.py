@@ -94,11 +94,32 @@ def test_decision_table() -> None:
     def never() -> None:
         raise AssertionError("the signature must not be computed for this case")
 
-    clean = {"batch_size": 4, "directions_found": 4, "complete": True, "noisy": False, "sparsity_matching": 1.0}
+    clean = {
+        "batch_size": 4,
+        "directions_found": 4,
+        "complete": True,
+        "noisy": False,
+        "sparsity_matching": 1.0,
+    }
     exact = decide_verdict(
-        status="ok", error=None, attack=clean, signature=never, magnitude_concentration=0.02, input_space="features"
+        status="ok",
+        error=None,
+        attack=clean,
+        signature=never,
+        magnitude_concentration=0.02,
+        input_space="features",
     )
     assert exact.verdict == "exact" and "features" in exact.reason
+
+    blended = decide_verdict(
+        status="ok",
+        error=None,
+        attack={**clean, "min_confidence": 0.995},
+        signature=never,
+        magnitude_concentration=0.02,
+        input_space="inputs",
+    )
+    assert blended.verdict == "approximate" and "0.9950" in blended.reason
 
     noisy = {**clean, "noisy": True, "relative_noise": 0.3}
     low_rank = update_signature(np.outer(np.arange(1.0, 7.0), np.arange(1.0, 5.0)))
@@ -134,7 +155,11 @@ def test_decision_table() -> None:
     )
     assert crashed.verdict == "failed" and "boom" in crashed.reason
     hard = decide_verdict(
-        status="timeout", error="did not finish", attack={}, signature=never, magnitude_concentration=None,
+        status="timeout",
+        error="did not finish",
+        attack={},
+        signature=never,
+        magnitude_concentration=None,
         input_space=None,
     )
     assert hard.verdict == "timeout"

@@ -8,7 +8,6 @@ ground truth, when a client sent it, is used afterwards for scoring only.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -385,7 +384,7 @@ def _member_quality(
     """Per-client recovery inside a secure-aggregation sum (references were concatenated)."""
     report: dict[str, dict[str, Any]] = {}
     start = 0
-    for member, size in zip(members, sizes):
+    for member, size in zip(members, sizes, strict=True):
         values = [float(value) for value in psnr[start : start + size]]
         start += size
         report[member.identity.name] = {

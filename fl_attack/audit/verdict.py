@@ -29,6 +29,10 @@ from fl_attack.vocabulary import (
 
 from .signature import ADAPTIVE_CONCENTRATION, FULL_RANK_SHARE, UpdateSignature
 
+#: On a clean update every exactly recovered sample's ReLU pattern agrees with the update
+#: everywhere; a sample below this agreement may be a blend of near-identical samples.
+EXACT_MIN_CONFIDENCE = 0.999
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -164,6 +168,14 @@ def decide_verdict(
             reason = _not_applicable(signature, train_mode, num_examples)
             if reason is not None:
                 return Verdict(VERDICT_NOT_APPLICABLE, reason)
+        weakest = float(attack.get("min_confidence", 1.0 if complete else 0.0))
+        if complete and not noisy and not adaptive and weakest < EXACT_MIN_CONFIDENCE:
+            return Verdict(
+                VERDICT_APPROXIMATE,
+                f"all {b} samples found, but the weakest one's ReLU pattern agrees with the update at only "
+                f"{weakest:.4f} (exact needs {EXACT_MIN_CONFIDENCE}): near-identical samples may be blended"
+                + _features_note(input_space),
+            )
         if complete and not noisy and not adaptive:
             matching = float(attack.get("sparsity_matching", 0.0))
             return Verdict(

@@ -1,0 +1,133 @@
+"""The run config: one source of keys, closest-key errors, from_context, client-side data settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp.strategy import FedAvg
+from torch import nn
+
+from clients.client_app import LOCAL_KEYS, _Settings
+from clients.ground_truth import attach_ground_truth, ground_truth_enabled, layer_inputs
+from fl_attack.audit.protocol import GROUND_TRUTH_INPUTS, GROUND_TRUTH_KEY
+from strategies import HonestButCuriousStrategy, RunConfigError, resolve_audit_config, resolve_run_config
+from strategies.cli import main as audit_main
+
+
+def _context(run_config: dict[str, Any] | None = None, node_config: dict[str, Any] | None = None) -> Context:
+    return Context(
+        run_id=1, node_id=1, node_config=node_config or {}, state=RecordDict(), run_config=run_config or {}
+    )
+
+
+def test_unknown_key_names_the_closest_one() -> None:
+    with pytest.raises(
+        RunConfigError, match="unknown run-config key 'attack-time-budgt'; did you mean 'attack-time-budget'"
+    ):
+        resolve_run_config({"attack-time-budgt": 5.0})
+    with pytest.raises(RunConfigError, match="'num-server-round'; did you mean 'num-server-rounds'"):
+        resolve_run_config({}, {"num-server-round": 3})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("attack-time-budget", float("nan"), "finite"),
+        ("attack-time-budget", 0.0, "positive"),
+        ("attack-time-budget", -1.0, "positive"),
+        ("batch-size", 10.5, "must be a int"),
+        ("train-mode", "adam", "one of fedsgd, fedavg, dpsgd"),
+        ("attack-fraction", 1.5, "at most 1"),
+        ("attack-partitions", "0,x", "comma-separated integers"),
+    ],
+)
+def test_bad_values_are_one_clear_line(key: str, value: Any, message: str) -> None:
+    with pytest.raises(RunConfigError, match=message) as raised:
+        resolve_run_config({key: value})
+    assert key in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_audit_config_of_any_app_ignores_the_users_keys_but_not_audit_typos() -> None:
+    config = resolve_audit_config({"lr": 0.01, "num-server-rounds": 3, "attack-time-budget": 7})
+    assert config["attack-time-budget"] == 7.0 and "lr" not in config and "num-server-rounds" not in config
+    with pytest.raises(RunConfigError, match="did you mean 'attack-fraction'"):
+        resolve_audit_config({"attack-fractoin": 0.5})
+
+
+def test_from_context_reads_the_run_config_and_overrides_win(tmp_path: Path) -> None:
+    context = _context(
+        {"lr": 0.1, "attack-time-budget": 12.0, "attack-fraction": 0.5, "output-dir": str(tmp_path / "a")}
+    )
+    strategy = HonestButCuriousStrategy.from_context(
+        FedAvg(), context, attack_time_budget=3.0, output_dir=str(tmp_path / "b"), attack_isolation="thread"
+    )
+    auditor = strategy.auditor
+    assert auditor.time_budget == 3.0 and auditor.attack_fraction == 0.5
+    assert auditor.store is not None and auditor.store.directory == tmp_path / "b"
+    assert not (tmp_path / "a").exists()
+    strategy.close()
+
+
+def test_from_context_rejects_typos_and_wrong_strategies(tmp_path: Path) -> None:
+    with pytest.raises(RunConfigError, match="did you mean 'attack-time-budget'"):
+        HonestButCuriousStrategy.from_context(FedAvg(), _context(), attack_time_budgt=3.0)
+    with pytest.raises(TypeError, match="Message-API strategy"):
+        HonestButCuriousStrategy.from_context(object(), _context(), output_dir=str(tmp_path))  # type: ignore[arg-type]
+
+
+def test_a_server_message_never_sets_the_clients_data_paths() -> None:
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    try:
+        message = Message(
+            RecordDict({"config": ConfigRecord({"data-root": "/etc", "dataset": "folder", "batch-size": 4})}),
+            dst_node_id=1,
+            message_type=MessageType.TRAIN,
+        )
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+    _check_local_settings(message)
+
+
+def _check_local_settings(message: Message) -> None:
+    settings = _Settings(message, _context({"dataset": "digits", "data-root": ""}), {})
+    assert {"dataset", "data-root"} <= LOCAL_KEYS
+    assert settings.text("data-root") == "" and settings.text("dataset") == "digits"
+    assert settings.integer("batch-size") == 4  # training settings do come from the server
+
+
+def test_ground_truth_is_sent_only_when_the_client_opts_in() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 5), nn.ReLU(), nn.Linear(5, 2)
+    )
+    batch = torch.randn(3, 1, 6, 6)
+    content = RecordDict()
+    assert not attach_ground_truth(
+        content, _context(run_config={"audit-ground-truth": True}), inputs=batch, model=model
+    )
+    assert GROUND_TRUTH_KEY not in content
+    assert not ground_truth_enabled(_context(node_config={"audit-ground-truth": "false"}))
+    assert attach_ground_truth(
+        content, _context(node_config={"audit-ground-truth": "true"}), inputs=batch, model=model
+    )
+    sent = content[GROUND_TRUTH_KEY][GROUND_TRUTH_INPUTS].numpy()
+    expected = layer_inputs(model, batch).numpy()
+    assert sent.shape == (3, 32) and np.array_equal(sent, expected)  # the features entering the first Linear
+    with torch.no_grad():
+        assert np.allclose(expected, model[:3](batch).numpy())
+
+
+def test_cli_settings_errors_exit_2_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert audit_main(["-c", "attack-time-budgt=5"]) == 2
+    assert "did you mean 'attack-time-budget'" in capsys.readouterr().err
+    assert audit_main(["-c", "dataset='cifar10' data-root='/nonexistent/fl-attack'"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "fl-attack-data fetch cifar10" in error and len(error.splitlines()) == 1
+    assert audit_main(["--fail-above", "2"]) == 2
