@@ -19,15 +19,12 @@ def share_text(value: float | None) -> str:
     """A share in whole percent: ``"94%"``; ``"<1%"`` / ``">99%"`` rather than a rounded 0% / 100%."""
     if value is None:
         return _MISSING
-    if value <= 0.0:
-        return "0%"
-    if value >= 1.0:
-        return "100%"
-    if value < 0.01:
+    text = f"{100.0 * value:.0f}%"
+    if 0.0 < value and text == "0%":
         return "<1%"
-    if value > 0.99:
+    if value < 1.0 and text == "100%":
         return ">99%"
-    return f"{100.0 * value:.0f}%"
+    return text
 
 
 def percent(value: float | None) -> str:
