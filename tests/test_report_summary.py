@@ -16,7 +16,7 @@ from fl_attack.results.report.recommendations import measured_defenses, recommen
 from fl_attack.results.report.settings import active_defenses, dp_budget, local_steps, relevant_settings
 from fl_attack.results.report.verdicts import derive_verdict
 from fl_attack.results.store import AttackRecord, ReconstructionStore
-from tests.report_runs import add_verdicts, images, make_run, simple_run
+from tests.report_runs import add_verdicts, images, make_run, ok_record, simple_run
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -102,6 +102,24 @@ def test_self_check_and_ground_truth_disagreement(tmp_path: Path) -> None:
     ]
     text = write_report(run).read_text(encoding="utf-8")
     assert "self-check and the ground truth disagree on 1 update(s)" in text
+
+
+def test_negative_psnr_and_unscored_secagg_members(tmp_path: Path) -> None:
+    """PSNR below 0 dB widens the histogram; a secure-aggregation sum that lists its members unscored."""
+    store = ReconstructionStore(tmp_path / "run", run_config={"train-mode": "fedsgd", "secagg-group-size": 2})
+    store.save(ok_record(1, "partition-0", [-12.0, 3.0], seed=0))
+    store.save(AttackRecord(server_round=1, client="secagg-partition-1_partition-2", status="error",
+                            seconds=1.0, error="no low-rank structure",
+                            details={"members": ["partition-1", "partition-2"]}))  # fmt: skip
+    summary = load_summary(store.directory)
+    histogram = summary["psnr_histogram"]
+    assert histogram["bin_edges_db"][0] == -15.0 and histogram["counts"][:4] == [1, 0, 0, 1]
+    assert summary["secagg_members"] == []
+    assert summary["verdict_sentence"] == (
+        "The server recovered none of the 2 scored client samples exactly, not even approximately; "
+        "secure aggregation over groups of 2 clients was on."
+    )
+    assert "no low-rank structure" in write_report(store.directory).read_text(encoding="utf-8")
 
 
 def test_empty_run_and_missing_directory(tmp_path: Path) -> None:

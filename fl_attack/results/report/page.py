@@ -201,6 +201,7 @@ def render_page(
         "grids": list(grids),
         "limits": list(limits),
         "failures": _failures(summary),
+        "spaces": any(attack["input_space"] for attack in summary["attack_details"]),
         "queued": any(attack["queue_seconds"] is not None for attack in summary["attack_details"]),
         "settings": [(key, _setting_text(value)) for key, value in settings],
         "omitted": omitted,

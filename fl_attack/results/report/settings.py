@@ -113,7 +113,10 @@ def local_steps(config: Mapping[str, Any] | None) -> int | None:
     return int(epochs) * math.ceil(samples / mini_batch)
 
 
-def _first_number(sources: list[tuple[str, Mapping[str, Any] | None]], keys: tuple[str, ...]) -> Any:
+def _first_number(
+    sources: list[tuple[str, Mapping[str, Any] | None]], keys: tuple[str, ...]
+) -> tuple[float, str] | None:
+    """The first of ``keys`` holding a number (or ``"inf"``) in ``sources``, with where it was found."""
     for name, source in sources:
         if not isinstance(source, Mapping):
             continue
