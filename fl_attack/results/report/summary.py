@@ -1,0 +1,327 @@
+"""The report's figures as one JSON-ready dict (``report.json``), and its verdict sentence.
+
+``load_summary(run_dir)`` is what a CI gate reads: among others it holds
+
+* ``exact_sample_share``: share of the scored client samples recovered exactly (PSNR above
+  :data:`~fl_attack.vocabulary.EXACT_PSNR_DB`); None when nothing was scored;
+* ``approximate_sample_share``: the same above ``APPROX_PSNR_DB`` (exact ones included);
+* ``exact_attack_share``: share of the attacks whose verdict is exact (None without attacks);
+* ``verdict_sentence``, ``verdict_counts``, ``rounds``, ``clients``, ``attacks``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fl_attack.results.report.formatting import share_text
+from fl_attack.results.report.loading import AttackEntry, RunData, load_run, number
+from fl_attack.results.report.recommendations import recommendations
+from fl_attack.results.report.settings import Defense, active_defenses
+from fl_attack.vocabulary import (
+    APPROX_PSNR_DB,
+    DISPLAY_PSNR_CAP_DB,
+    EXACT_PSNR_DB,
+    STATUS_OK,
+    VERDICT_APPROXIMATE,
+    VERDICT_EXACT,
+    VERDICTS,
+)
+
+__all__ = ["SUMMARY_SCHEMA", "build_summary", "load_summary", "psnr_bin_edges", "verdict_sentence"]
+
+#: Identifies the layout of ``report.json``.
+SUMMARY_SCHEMA = "fl-attack-report-summary/1"
+#: Width of a PSNR histogram bin (dB).
+PSNR_BIN_DB = 5.0
+
+
+def load_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The summary of a run directory, computed from its files (``report.json`` is not needed).
+
+    Raises
+    ------
+    NotARunDirectoryError
+        When ``run_dir`` holds no ``attacks.csv``.
+    """
+    return build_summary(load_run(run_dir))
+
+
+def _share(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def _verdict_counts(entries: Sequence[AttackEntry]) -> dict[str, int]:
+    counts = Counter(entry.verdict for entry in entries)
+    return {verdict: counts.get(verdict, 0) for verdict in VERDICTS}
+
+
+def _samples(entries: Sequence[AttackEntry]) -> dict[str, Any]:
+    scored = sum(entry.scored_count for entry in entries)
+    exact = sum(entry.exact_count for entry in entries)
+    approximate = sum(entry.approximate_count for entry in entries)
+    return {
+        "scored_samples": scored,
+        "exact_samples": exact,
+        "approximate_samples": approximate,
+        "exact_sample_share": _share(exact, scored),
+        "approximate_sample_share": _share(approximate, scored),
+    }
+
+
+def psnr_bin_edges(values: Sequence[float]) -> list[float]:
+    """Histogram edges every :data:`PSNR_BIN_DB` dB up to the display cap (values above it go to one bin)."""
+    low = min([0.0, *values]) if values else 0.0
+    low = PSNR_BIN_DB * math.floor(low / PSNR_BIN_DB)
+    count = int(round((DISPLAY_PSNR_CAP_DB - low) / PSNR_BIN_DB))
+    return [low + PSNR_BIN_DB * index for index in range(count + 1)]
+
+
+def _histogram(entries: Sequence[AttackEntry]) -> dict[str, Any]:
+    values = [value for entry in entries for value in (entry.psnr or [])]
+    edges = psnr_bin_edges(values)
+    shown = [value for value in values if value <= DISPLAY_PSNR_CAP_DB]
+    counts, _ = np.histogram(shown, bins=edges)
+    return {
+        "bin_edges_db": edges,
+        "counts": [int(count) for count in counts],
+        "above_cap": sum(1 for value in values if value > DISPLAY_PSNR_CAP_DB),
+        "cap_db": DISPLAY_PSNR_CAP_DB,
+    }
+
+
+def _test_metrics(history: Mapping[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """``{round: test metrics}`` from ``history.json`` (round 0: the initial model)."""
+    result: dict[int, dict[str, Any]] = {}
+    rounds = history.get("rounds") if isinstance(history, Mapping) else None
+    for item in rounds if isinstance(rounds, list) else []:
+        if not isinstance(item, Mapping) or not isinstance(item.get("test"), Mapping):
+            continue
+        round_number = number(item.get("round"))
+        if round_number is not None:
+            result[int(round_number)] = dict(item["test"])
+    return result
+
+
+def _rounds(data: RunData) -> list[dict[str, Any]]:
+    tests = _test_metrics(data.history)
+    summaries = []
+    for server_round in sorted({entry.server_round for entry in data.entries} | set(tests)):
+        entries = [entry for entry in data.entries if entry.server_round == server_round]
+        values = [value for entry in entries for value in (entry.psnr or [])]
+        seconds = [entry.seconds for entry in entries if entry.seconds is not None]
+        test = tests.get(server_round, {})
+        summaries.append(
+            {
+                "round": server_round,
+                "attacks": len(entries),
+                "failed": sum(1 for entry in entries if entry.status != STATUS_OK),
+                **_samples(entries),
+                "mean_psnr": float(np.mean(values)) if values else None,
+                "median_seconds": float(np.median(seconds)) if seconds else None,
+                "test_acc": number(test.get("test-acc")),
+                "test_loss": number(test.get("test-loss")),
+                "verdict_counts": _verdict_counts(entries),
+            }
+        )
+    return summaries
+
+
+def _clients(entries: Sequence[AttackEntry]) -> list[dict[str, Any]]:
+    result = []
+    for client in sorted({entry.client for entry in entries}):
+        mine = [entry for entry in entries if entry.client == client]
+        result.append(
+            {
+                "client": client,
+                "attacks": len(mine),
+                **_samples(mine),
+                "verdict_counts": _verdict_counts(mine),
+            }
+        )
+    return result
+
+
+def _secagg_members(entries: Sequence[AttackEntry]) -> list[dict[str, Any]]:
+    rows = []
+    for entry in entries:
+        members = entry.details.get("members")
+        if not isinstance(members, Mapping):  # a plain list of names: not scored per member
+            continue
+        for member, quality in members.items():
+            quality = quality if isinstance(quality, Mapping) else {}
+            rows.append(
+                {
+                    "round": entry.server_round,
+                    "group": entry.client,
+                    "member": str(member),
+                    "samples": number(quality.get("samples")),
+                    "mean_psnr": number(quality.get("mean_psnr")),
+                    "exact_share": number(quality.get("exact_fraction")),
+                    "approximate_share": number(quality.get("approx_fraction")),
+                }
+            )
+    return rows
+
+
+def _attack(entry: AttackEntry) -> dict[str, Any]:
+    return {
+        "round": entry.server_round,
+        "client": entry.client,
+        "status": entry.status,
+        "verdict": entry.verdict,
+        "verdict_reason": entry.verdict_reason,
+        "verdict_derived": entry.verdict_derived,
+        "input_space": entry.input_space,
+        "seconds": entry.seconds,
+        "queue_seconds": entry.queue_seconds,
+        "batch_size": number(entry.row.get("batch_size")),
+        "complete": {"True": True, "False": False}.get(entry.row.get("complete", "")),
+        "sparsity_matching": number(entry.row.get("sparsity_matching")),
+        "scored_samples": entry.scored_count,
+        "exact_samples": entry.exact_count,
+        "approximate_samples": entry.approximate_count,
+        "mean_psnr": number(entry.row.get("mean_psnr")),
+        "min_psnr": min(entry.psnr) if entry.psnr else number(entry.row.get("min_psnr")),
+        "error": entry.error,
+    }
+
+
+def _disagreements(entries: Sequence[AttackEntry]) -> list[dict[str, Any]]:
+    """Recorded verdicts that the ground truth contradicts (exact claimed, or exact missed)."""
+    found = []
+    for entry in entries:
+        if entry.verdict_derived or not entry.scored:
+            continue
+        all_exact = entry.exact_count == entry.scored_count
+        if (entry.verdict == VERDICT_EXACT) != all_exact:
+            found.append(
+                {
+                    "round": entry.server_round,
+                    "client": entry.client,
+                    "verdict": entry.verdict,
+                    "exact_samples": entry.exact_count,
+                    "scored_samples": entry.scored_count,
+                }
+            )
+    return found
+
+
+def _defense_clause(defenses: Sequence[Defense]) -> str:
+    if not defenses:
+        return "no defense was on"
+    texts = [defense.text for defense in defenses]
+    joined = texts[0] if len(texts) == 1 else ", ".join(texts[:-1]) + " and " + texts[-1]
+    return f"{joined} {'was' if len(texts) == 1 else 'were'} on"
+
+
+def verdict_sentence(summary: Mapping[str, Any], defenses: Sequence[Defense]) -> str:
+    """One sentence a reviewer can act on, built from the summary's figures."""
+    defense = _defense_clause(defenses)
+    attacks = int(summary["attacks"])
+    if attacks == 0:
+        return (
+            "No client update was attacked in this run, so it shows nothing about what the server "
+            f"could recover; {defense}."
+        )
+    scored, exact, approx = (
+        int(summary[key]) for key in ("scored_samples", "exact_samples", "approximate_samples")
+    )
+    if scored:
+        if exact == 0:
+            rest = (
+                f", but {share_text(approx / scored)} approximately" if approx else ", not even approximately"
+            )
+            return (
+                f"The server recovered none of the {scored} scored client samples exactly{rest}; {defense}."
+            )
+        rounds = [item for item in summary["rounds"] if item["scored_samples"]]
+        leaking = [item for item in rounds if item["exact_samples"]]
+        if len(rounds) == 1:
+            when = f" in round {rounds[0]['round']}"
+        elif len(leaking) == len(rounds):
+            when = " in every round"
+        else:
+            when = f" in {len(leaking)} of {len(rounds)} rounds"
+        more = f" and {share_text(approx / scored)} at least approximately" if approx > exact else ""
+        return (
+            f"The server recovered {share_text(exact / scored)} of the {scored} scored client samples "
+            f"exactly{when}{more}; {defense}."
+        )
+    counts = summary["verdict_counts"]
+    confirmed, partial = counts[VERDICT_EXACT], counts[VERDICT_APPROXIMATE]
+    if summary["verdicts_derived"] == attacks and partial:
+        return (
+            f"No ground truth scored this run and it records no verdicts: the attacker reported {partial} of "
+            f"{attacks} reconstructions complete, which cannot be confirmed; {defense}."
+        )
+    if confirmed or partial:
+        return (
+            "Without ground truth, the attack's self-check confirms exact recovery of "
+            f"{confirmed} of {attacks} client updates ({share_text(confirmed / attacks)}) and {partial} more "
+            f"were recovered approximately; {defense}."
+        )
+    others = ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
+    return (
+        f"No client sample was recovered: none of the {attacks} attacks produced a reconstruction "
+        f"({others}); {defense}."
+    )
+
+
+def build_summary(data: RunData) -> dict[str, Any]:
+    """Every figure of the report, JSON-ready (see the module docstring)."""
+    entries = data.entries
+    defenses = active_defenses(data.config, data.history)
+    counts = _verdict_counts(entries)
+    summary: dict[str, Any] = {
+        "schema": SUMMARY_SCHEMA,
+        "run_directory": str(data.directory),
+        "thresholds": {
+            "exact_psnr_db": EXACT_PSNR_DB,
+            "approx_psnr_db": APPROX_PSNR_DB,
+            "display_psnr_cap_db": DISPLAY_PSNR_CAP_DB,
+        },
+        "attacks": len(entries),
+        "failed_attacks": sum(1 for entry in entries if entry.status != STATUS_OK),
+        "scored_attacks": sum(1 for entry in entries if entry.scored),
+        **_samples(entries),
+        "exact_attack_share": _share(counts[VERDICT_EXACT], len(entries)),
+        "approximate_attack_share": _share(counts[VERDICT_APPROXIMATE], len(entries)),
+        "statuses": dict(sorted(Counter(entry.status for entry in entries).items())),
+        "verdict_counts": counts,
+        "verdicts_derived": sum(1 for entry in entries if entry.verdict_derived),
+        "defenses": [{"name": defense.name, "text": defense.text} for defense in defenses],
+        "rounds": _rounds(data),
+        "clients": _clients(entries),
+        "secagg_members": _secagg_members(entries),
+        "verdict_disagreements": _disagreements(entries),
+        "psnr_histogram": _histogram(entries),
+        "final_test": _final_test(data.history),
+        "unreadable_files": list(data.problems),
+        "attack_details": [_attack(entry) for entry in entries],
+    }
+    summary["verdict_sentence"] = verdict_sentence(summary, defenses)
+    if summary["scored_samples"]:
+        leaked = summary["approximate_sample_share"]
+    elif entries:
+        leaked = (counts[VERDICT_EXACT] + counts[VERDICT_APPROXIMATE]) / len(entries)
+    else:
+        leaked = None
+    summary["recommendations"] = recommendations(config=data.config, leaked_share=leaked)
+    return summary
+
+
+def _final_test(history: Mapping[str, Any] | None) -> dict[str, float | None] | None:
+    final = history.get("final_test") if isinstance(history, Mapping) else None
+    if not isinstance(final, Mapping) or number(final.get("test-acc")) is None:
+        return None
+    return {
+        "test_acc": number(final.get("test-acc")),
+        "test_loss": number(final.get("test-loss")),
+        "test_examples": number(final.get("test-examples")),
+    }
