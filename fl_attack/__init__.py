@@ -10,6 +10,7 @@ Layout: :mod:`fl_attack.types` (what the server observes, what an attack returns
 """
 
 from fl_attack.attacks import (
+    CocktailPartyAttack,
     GradientInversionAttack,
     InvertingGradients,
     LayerAttack,
@@ -24,6 +25,7 @@ from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ObservedUpdate
 
 __all__ = [
+    "CocktailPartyAttack",
     "GradientInversionAttack",
     "InvertingGradients",
     "LayerAttack",

@@ -14,7 +14,7 @@ from fl_attack.attacks import registry
 
 
 def test_builtin_attacks_are_registered_by_name() -> None:
-    assert available_attacks() == ("spear", "spear++")
+    assert available_attacks() == ("cocktail-party", "spear", "spear++")
     attack = get_attack("spear++", time_budget=12.0, seed=3)
     assert isinstance(attack, SpearPlusPlus)
     assert attack.time_budget == 12.0 and attack.seed == 3
