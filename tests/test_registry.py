@@ -22,7 +22,7 @@ def test_builtin_attacks_are_registered_by_name() -> None:
 
 
 def test_unknown_name_lists_the_registered_attacks() -> None:
-    expected = re.escape("unknown attack 'spear+++'; available: spear, spear++")
+    expected = re.escape("unknown attack 'spear+++'; available: cocktail-party, spear, spear++")
     with pytest.raises(ValueError, match=expected):
         get_attack("spear+++")
 
