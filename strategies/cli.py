@@ -242,13 +242,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = output / "report.html"
     if report.exists():
         print(f"  report: {report}")
-    if args.fail_above is not None and share is not None and share > args.fail_above:
-        print(
-            f"fl-attack-audit: leakage gate failed: {100.0 * share:.1f}% of samples recovered exactly "
-            f"(allowed {100.0 * args.fail_above:.1f}%)",
-            file=sys.stderr,
-        )
-        return 3
+    if args.fail_above is not None:
+        from fl_attack.results.report import load_summary
+
+        summary = load_summary(output)
+        gate, what = summary.get("exact_sample_share"), "samples recovered exactly"
+        if gate is None:  # nothing scored: judge by the attacks' own verdicts
+            gate, what = summary.get("exact_attack_share"), "attacks with verdict exact"
+        if gate is not None and gate > args.fail_above:
+            print(
+                f"fl-attack-audit: leakage gate failed: {100.0 * gate:.1f}% of {what} "
+                f"(allowed {100.0 * args.fail_above:.1f}%)",
+                file=sys.stderr,
+            )
+            return 3
     return 0
 
 

@@ -131,3 +131,13 @@ def test_cli_settings_errors_exit_2_before_anything_starts(capsys: pytest.Captur
     error = capsys.readouterr().err.strip()
     assert "fl-attack-data fetch cifar10" in error and len(error.splitlines()) == 1
     assert audit_main(["--fail-above", "2"]) == 2
+
+
+def test_leakage_gate_fails_a_leaking_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = (
+        "num-server-rounds=1 dataset='digits' width=64 batch-size=4 samples-per-client=16 "
+        f"attack-time-budget=10.0 attack-isolation='thread' server-evaluation=false output-dir='{tmp_path / 'run'}'"
+    )
+    assert audit_main(["--num-supernodes", "2", "--fail-above", "0.01", "-c", settings]) == 3
+    captured = capsys.readouterr()
+    assert "leakage gate failed" in captured.err and "2 exact" in captured.out
