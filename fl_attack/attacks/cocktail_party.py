@@ -128,7 +128,9 @@ class CocktailPartyAttack:
             sources = ica.fit_transform(dw.T).T  # (b, n): unit-variance sources, centred per row of dW
         mixing = ica.mixing_  # (m, b): dW ~= mixing @ sources + mean 1^T
         inputs = _restore_means_and_scales(mixing, sources, ica.mean_, db)
-        kurtosis = np.abs(((sources - sources.mean(1, keepdims=True)) ** 4).mean(1) / (sources.var(1) ** 2) - 3.0)
+        kurtosis = np.abs(
+            ((sources - sources.mean(1, keepdims=True)) ** 4).mean(1) / (sources.var(1) ** 2) - 3.0
+        )
         confidence = kurtosis / (1.0 + kurtosis)
         return Reconstruction(
             inputs=torch.from_numpy(np.ascontiguousarray(inputs)),
