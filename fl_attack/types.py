@@ -8,19 +8,11 @@ from typing import Union
 import numpy as np
 import torch
 
+from fl_attack.validation import resolve_device
+
 ArrayLike = Union[np.ndarray, torch.Tensor]
 
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """Map ``"auto"`` to CUDA when available and CPU otherwise."""
-    if isinstance(device, torch.device):
-        return device
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was requested but CUDA is not available")
-    return resolved
+__all__ = ["ArrayLike", "ObservedUpdate", "resolve_device"]
 
 
 def _as_tensor(value: ArrayLike, *, name: str, device: torch.device) -> torch.Tensor:

@@ -27,6 +27,7 @@ from sklearn.exceptions import ConvergenceWarning
 from fl_attack.pipeline.decompose import estimate_batch_size
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate
+from fl_attack.validation import check_batch_size, check_time_budget
 
 
 class CocktailPartyAttack:
@@ -98,7 +99,6 @@ class CocktailPartyAttack:
         ValueError
             On malformed input or a batch size above ``min(m, n)``.
         """
-        del time_budget
         start = time.perf_counter()
         update = ObservedUpdate.from_arrays(
             weight_grad, bias_grad, weight=weight, bias=bias, device=torch.device("cpu")
@@ -106,12 +106,12 @@ class CocktailPartyAttack:
         dw = update.weight_grad.numpy()
         db = update.bias_grad.numpy()
         m, n = dw.shape
+        check_time_budget(time_budget)
+        check_batch_size(batch_size)
         if batch_size is None:
             singular_values = torch.linalg.svdvals(update.weight_grad)
             b = int(estimate_batch_size(singular_values, shape=(m, n)).batch_size)
         else:
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-                raise ValueError(f"batch_size must be an integer, got {batch_size!r}")
             b = batch_size
         if not 1 <= b <= min(m, n):
             raise ValueError(f"batch size {b} is not in [1, min(m, n) = {min(m, n)}]")

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
+from fl_attack.validation import check_batch_size, check_time_budget
 from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.last_direction import scan_missing_directions
@@ -117,8 +118,7 @@ class GradientInversionAttack(ABC):
         patience: int = 3,
         progress: bool | None = None,
     ) -> None:
-        if time_budget is not None and time_budget <= 0:
-            raise ValueError(f"time_budget must be positive, got {time_budget}")
+        check_time_budget(time_budget)
         if not 0 < false_rejection < 1:
             raise ValueError(f"false_rejection must be in (0, 1), got {false_rejection}")
         if not 0 < accept_matching <= 1:
@@ -176,6 +176,8 @@ class GradientInversionAttack(ABC):
             exact attack can invert (``b >= min(m, n)``).
         """
         start = time.perf_counter()
+        check_time_budget(time_budget)
+        check_batch_size(batch_size)
         device = resolve_device(self.device)
         update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
         factors = decompose(update.weight_grad, batch_size=batch_size)
