@@ -84,9 +84,10 @@ def listing(table: TableConfig | None = None) -> str:
         return "\n".join(lines)
     quick = {key: show_option(value) for key, value in table.quick.items()}
     rows = [(key, show_option(value), quick.get(key, "")) for key, value in table.options.items()]
-    width = max(len(key) for key, _, _ in rows)
-    lines = [f"{table.name}: {table.source}: {table.title}", f"  {'option':<{width}}  full run  |  --quick"]
-    lines += [f"  {key:<{width}}  {full}" + (f"  |  {quick}" if quick else "") for key, full, quick in rows]
+    rows.insert(0, ("option", "full run", "--quick"))
+    width, fulls = max(len(key) for key, _, _ in rows), max(len(full) for _, full, _ in rows)
+    lines = [f"{table.name}: {table.source}: {table.title}"]
+    lines += [f"  {key:<{width}}  {full:<{fulls}}  {quick}".rstrip() for key, full, quick in rows]
     return "\n".join(lines)
 
 
@@ -130,7 +131,7 @@ def run_table(table: TableConfig, options: dict[str, Any], *, quick: bool, name:
         print(quick_banner(table, options), flush=True)
     with ResultsWriter(directory, name=name, fields=csv_fields(settings, data)) as writer:
         if options.get("warm_up"):
-            warm_up(settings, data, options)
+            warm_up(settings, data, options=options)
         results = run_settings(settings, data, options=options, writer=writer)
         rows = summary_rows(results, family=table.family)
         markdown = render(table, options, rows, quick=quick)

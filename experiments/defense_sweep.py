@@ -247,9 +247,9 @@ def run_sweep(
         summary = {"settings": settings, "columns": COLUMN_DOCS, "rows": rows}
         writer.finish(
             summary | {"seconds": round(time.perf_counter() - start, 1)},
-            sweep_markdown(defense.name, defense.description, settings, rows),
+            sweep_markdown(rows, name=defense.name, description=defense.description, settings=settings),
         )
-    plot_sweep(defense.name, defense.kind is int, rows, output_dir / f"{name}.png")
+    plot_sweep(rows, name=defense.name, integer=defense.kind is int, path=output_dir / f"{name}.png")
     say(f"[{name}] wrote {output_dir / name}.{{csv,json,md,png}}")
     return results
 

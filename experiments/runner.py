@@ -77,13 +77,11 @@ def budget_of(method: str, options: Mapping[str, Any]) -> float | None:
 
 
 def invert(
-    method: str, observation: Observation, trial: Trial, data: Data, options: Mapping[str, Any]
+    method: str, observation: Observation, *, trial: Trial, data: Data, options: Mapping[str, Any]
 ) -> Reconstruction:
     """Run one method on one observation within its budget and hard limit (raises what the attack raises)."""
     spec, update, budget = METHODS[method], observation.update, budget_of(method, options)
-    known = (
-        int(trial.inputs.shape[0]) if options["known_batch_size"] else None
-    )  # the server knows b in FedAvg
+    known = int(trial.inputs.shape[0]) if options["known_batch_size"] else None  # as a FedAvg server
     with hard_time_limit(None if budget is None else 2 * budget + float(options["hard_limit_slack"])):
         if spec.attack != "inverting-gradients":
             attack = get_attack(
@@ -114,9 +112,9 @@ def attack_and_score(
     setting: Setting,
     method: str,
     observation: Observation,
+    *,
     trial: Trial,
     data: Data,
-    *,
     options: Mapping[str, Any],
 ) -> Outcome:
     """Attack one observation with one method and score it; never raises for a failing attack."""
@@ -125,7 +123,7 @@ def attack_and_score(
         outcome.metrics |= client_recovery(None, setting)
     start, cpu_start = time.perf_counter(), time.process_time()
     try:
-        rec = invert(method, observation, trial, data, options)
+        rec = invert(method, observation, trial=trial, data=data, options=options)
         outcome.seconds, outcome.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         outcome.ok, scores = score(setting, rec, observation, data)
     except Exception as error:  # a failed attack is a data point
@@ -205,7 +203,7 @@ def _progress(context: str, outcome: Outcome) -> str:
     return line + (f" error={outcome.error}" if outcome.error else "")
 
 
-def warm_up(settings: Sequence[Setting], data: Datasets, options: Mapping[str, Any]) -> None:
+def warm_up(settings: Sequence[Setting], data: Datasets, *, options: Mapping[str, Any]) -> None:
     """Attack a small untimed batch once per method, so that one-time set-up (imports, JIT:
     several seconds) is not charged to the first timed batch."""
     setting = dataclasses.replace(settings[0], cell=_WARM_UP)
@@ -213,7 +211,9 @@ def warm_up(settings: Sequence[Setting], data: Datasets, options: Mapping[str, A
     observation = observe(setting, trial, data[setting.data_key])
     quick = {**options, "time_budget": 10.0, "spear_time_budget": None, "hard_limit_slack": 10.0}
     for method in dict.fromkeys(m for s in settings for m in s.methods):
-        attack_and_score(setting, method, observation, trial, data[setting.data_key], options=quick)
+        attack_and_score(
+            setting, method, observation, trial=trial, data=data[setting.data_key], options=quick
+        )
 
 
 def run_settings(
@@ -253,7 +253,7 @@ def run_settings(
                         outcome = Outcome(method, setting.cell.batch_size, 0.0, error=failed)
                     else:
                         outcome = attack_and_score(
-                            setting, method, observation, trial, dataset, options=options
+                            setting, method, observation, trial=trial, data=dataset, options=options
                         )
                     result.outcomes[method].append(outcome)
                     writer.add({**identity, **outcome.record()})

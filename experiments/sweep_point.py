@@ -172,14 +172,12 @@ def run_point(
         "parameter": parameter,
         "value": value,
         "status": "ok",
-        "train_mode": config["train-mode"],
-        "rounds": config["num-server-rounds"],
-        "clients": clients,
-        "run_dir": shown_dir,
         "error": "",
-        "epsilon": None if epsilon is None else ("inf" if math.isinf(epsilon) else round(epsilon, 4)),
-        "delta": None if epsilon is None else delta,
+        "clients": clients,
     }
+    row |= {"train_mode": config["train-mode"], "rounds": config["num-server-rounds"], "run_dir": shown_dir}
+    if epsilon is not None:  # a DP-SGD point
+        row |= {"epsilon": "inf" if math.isinf(epsilon) else round(epsilon, 4), "delta": delta}
     start = time.perf_counter()
     try:
         _clear_run_dir(run_dir)

@@ -28,7 +28,7 @@ def _epsilon(row: Mapping[str, Any]) -> str:
     return "—" if value in ("", None) else (value if isinstance(value, str) else f"{value:.3g}")
 
 
-def sweep_markdown(name: str, description: str, settings: Mapping[str, Any], rows: Rows) -> str:
+def sweep_markdown(rows: Rows, *, name: str, description: str, settings: Mapping[str, Any]) -> str:
     """The markdown report: the sweep's settings, then one table row per value."""
     columns = [
         Column(name, lambda r: f"{r['value']:g}" if isinstance(r["value"], (int, float)) else str(r["value"]))
@@ -61,7 +61,7 @@ def sweep_markdown(name: str, description: str, settings: Mapping[str, Any], row
     return "\n\n".join([f"## Defense sweep: {name}", setup, reading, table])
 
 
-def plot_sweep(name: str, integer: bool, rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+def plot_sweep(rows: Rows, *, name: str, integer: bool, path: Path) -> Path:
     """Leakage fractions (top) and test accuracy (bottom) against the parameter (Agg PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
     from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,11 @@ def test_list_names_every_table_and_the_sweep(capsys: pytest.CaptureFixture[str]
     assert "python -m experiments sweep --list" in listing
     assert main(["list", "spearpp-t3"]) == 0
     options = capsys.readouterr().out
-    assert "noise_factors" in options and "0.5,1,2" in options and "20x200,150x4000  |  20x200" in options
+    assert (
+        "noise_factors" in options
+        and "0.5,1,2" in options
+        and re.search(r"\n  cells +20x200,150x4000 +20x200\n", options)
+    )
 
 
 def test_quick_run_writes_its_folder_and_never_the_committed_results(
