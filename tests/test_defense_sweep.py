@@ -10,29 +10,36 @@ from typing import Any
 
 import pytest
 
-from experiments import defense_sweep
-from experiments.defense_sweep import (
-    DEFENSES,
-    SWEEP_COLUMNS,
-    dpsgd_epsilon,
-    get_defense,
-    leakage_of,
-    main,
-    parse_values,
-    run_sweep,
-    utility_of,
-)
+from experiments.defense_sweep import DEFENSES, get_defense, main, parse_values, run_sweep
+from experiments.sweep_point import COLUMN_DOCS, SWEEP_COLUMNS, dpsgd_epsilon, leakage_of, utility_of
 from fl_attack.results.store import TABLE_COLUMNS
-from strategies.run_config import resolve_run_config
+from strategies import resolve_run_config
 
-#: The documented schema of ``<name>.csv`` (experiments/defense_sweep.py, COLUMN_DOCS).
+#: The documented schema of ``<name>.csv`` (experiments/defenses.toml, [columns]).
 DOCUMENTED_COLUMNS = [
-    "parameter", "value", "status", "train_mode", "rounds", "clients",
-    "attacked_updates", "attack_failures", "scored_samples",
-    "exact_fraction", "approx_fraction", "updates_exact_fraction",
-    "mean_psnr", "median_attack_seconds",
-    "initial_test_acc", "final_test_acc", "final_test_loss", "test_examples",
-    "epsilon", "delta", "seconds", "run_dir", "error",
+    "parameter",
+    "value",
+    "status",
+    "train_mode",
+    "rounds",
+    "clients",
+    "attacked_updates",
+    "attack_failures",
+    "scored_samples",
+    "exact_fraction",
+    "approx_fraction",
+    "updates_exact_fraction",
+    "mean_psnr",
+    "median_attack_seconds",
+    "initial_test_acc",
+    "final_test_acc",
+    "final_test_loss",
+    "test_examples",
+    "epsilon",
+    "delta",
+    "seconds",
+    "run_dir",
+    "error",
 ]
 
 #: A tiny federation: 8x8 digits, a 64-wide victim, one FedSGD round of two clients.
@@ -68,11 +75,11 @@ def test_two_point_sweep_writes_the_documented_csv_markdown_and_plot(tmp_path: P
 
     header, rows = _read_csv(tmp_path / "two.csv")
     assert header == DOCUMENTED_COLUMNS == list(SWEEP_COLUMNS)
-    assert set(defense_sweep.COLUMN_DOCS) == set(SWEEP_COLUMNS)
+    assert set(COLUMN_DOCS) == set(SWEEP_COLUMNS)
     assert len(rows) == 2
     assert [row["parameter"] for row in rows] == ["batch-size", "batch-size"]
     assert [int(row["value"]) for row in rows] == [3, 5]
-    for row, batch in zip(rows, (3, 5)):
+    for row, batch in zip(rows, (3, 5), strict=True):
         assert row["status"] == "ok" and row["error"] == "", row
         assert row["train_mode"] == "fedsgd" and row["rounds"] == "1" and row["clients"] == "2"
         assert int(row["attacked_updates"]) == 2  # one per client and round
@@ -112,9 +119,17 @@ def test_failed_points_are_rows_and_dpsgd_points_report_epsilon(
         run_dir = Path(overrides["output-dir"])
         run_dir.mkdir(parents=True)
         rows = [
-            {"round": 1, "client": "partition-0", "status": "ok", "seconds": 1.0,
-             "num_references": 4, "mean_psnr": 100.0, "min_psnr": 95.0,
-             "exact_fraction": 1.0, "approx_fraction": 1.0},
+            {
+                "round": 1,
+                "client": "partition-0",
+                "status": "ok",
+                "seconds": 1.0,
+                "num_references": 4,
+                "mean_psnr": 100.0,
+                "min_psnr": 95.0,
+                "exact_fraction": 1.0,
+                "approx_fraction": 1.0,
+            },
             {"round": 1, "client": "partition-1", "status": "timeout", "seconds": 9.0},
         ]
         with (run_dir / "attacks.csv").open("w", newline="") as handle:
@@ -122,15 +137,21 @@ def test_failed_points_are_rows_and_dpsgd_points_report_epsilon(
             writer.writeheader()
             writer.writerows(rows)
         test = {"test-loss": 2.0, "test-acc": 0.25, "test-examples": 10}
-        history = {"rounds": [{"round": 0, "test": {**test, "test-acc": 0.1}}, {"round": 1, "test": test}],
-                   "final_test": test}
+        history = {
+            "rounds": [{"round": 0, "test": {**test, "test-acc": 0.1}}, {"round": 1, "test": test}],
+            "final_test": test,
+        }
         (run_dir / "history.json").write_text(json.dumps(history))
         return run_dir
 
     monkeypatch.setattr("strategies.cli.run_audit_simulation", fake_simulation)
     run_sweep(
-        get_defense("noise-multiplier"), [0.0, 1.0], rounds=2, clients=2,
-        output_dir=tmp_path, name="fake",
+        get_defense("noise-multiplier"),
+        [0.0, 1.0],
+        rounds=2,
+        clients=2,
+        output_dir=tmp_path,
+        name="fake",
     )
     assert [call["noise-multiplier"] for call in calls] == [0.0, 1.0]
     assert all(call["train-mode"] == "dpsgd" and call["num-server-rounds"] == 2 for call in calls)
@@ -153,8 +174,15 @@ def test_failed_points_are_rows_and_dpsgd_points_report_epsilon(
 def test_unknown_parameter_lists_the_registered_ones(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown defense parameter 'dropout'") as error:
         get_defense("dropout")
-    for name in ("noise-multiplier", "max-grad-norm", "local-epochs", "local-lr",
-                 "batch-size", "secagg-group-size", "width"):
+    for name in (
+        "noise-multiplier",
+        "max-grad-norm",
+        "local-epochs",
+        "local-lr",
+        "batch-size",
+        "secagg-group-size",
+        "width",
+    ):
         assert name in str(error.value) and name in DEFENSES
     with pytest.raises(SystemExit) as exit_info:
         main(["--parameter", "dropout", "--values", "1,2"])
@@ -203,10 +231,24 @@ def test_sweep_settings_are_checked_before_anything_runs(tmp_path: Path) -> None
 
 def test_leakage_is_weighted_by_samples_and_counts_failures() -> None:
     rows = [
-        {"status": "ok", "num_references": "2", "exact_fraction": "1.0", "approx_fraction": "1.0",
-         "mean_psnr": "150", "min_psnr": "140", "seconds": "1"},
-        {"status": "ok", "num_references": "6", "exact_fraction": "0.5", "approx_fraction": "0.5",
-         "mean_psnr": "50", "min_psnr": "10", "seconds": "3"},
+        {
+            "status": "ok",
+            "num_references": "2",
+            "exact_fraction": "1.0",
+            "approx_fraction": "1.0",
+            "mean_psnr": "150",
+            "min_psnr": "140",
+            "seconds": "1",
+        },
+        {
+            "status": "ok",
+            "num_references": "6",
+            "exact_fraction": "0.5",
+            "approx_fraction": "0.5",
+            "mean_psnr": "50",
+            "min_psnr": "10",
+            "seconds": "3",
+        },
         {"status": "error", "num_references": "", "exact_fraction": "", "seconds": "5"},
     ]
     leakage = leakage_of(rows)
