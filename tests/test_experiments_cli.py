@@ -116,7 +116,7 @@ def test_missing_dataset_exits_2_with_one_line(
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = captured.err.splitlines()
-    assert line.startswith(f"error: {dataset} data") and f"Run `fl-attack-data fetch {dataset}`" in line
+    assert line.startswith(f"error: {dataset} ") and f"fl-attack-data fetch {dataset}`" in line.lower()
     assert not out.exists()
 
 
