@@ -11,6 +11,7 @@ from fl_attack import get_attack
 from fl_attack.audit import Attacker, Auditor
 from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.store import ReconstructionStore
+from fl_attack.simulate.secagg import FLOWER_DEFAULTS
 
 from .run_config import attack_timeout, parse_partitions, resolve_audit_config
 
@@ -71,4 +72,5 @@ def build_auditor(
         isolation=str(config["attack-isolation"]),
         seed=int(config["attack-seed"]),  # type: ignore[arg-type]
         secagg_group_size=int(config["secagg-group-size"]),  # type: ignore[arg-type]
+        secagg_quantization=FLOWER_DEFAULTS if config["secagg-quantization"] else None,
     )

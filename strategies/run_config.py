@@ -122,6 +122,12 @@ SETTINGS: tuple[Setting, ...] = (
         positive=True,
     ),
     Setting(
+        "secagg-quantization",
+        False,
+        "with secagg-group-size > 1: model Flower's SecAgg+ (clip, quantize, modular sum; its defaults)",
+        "threat-model",
+    ),
+    Setting(
         "audit-ground-truth",
         True,
         "simulation only: this project's clients report the samples they used, for scoring",

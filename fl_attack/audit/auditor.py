@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
+from fl_attack.simulate.secagg import SecAggPlusQuantization, secagg_observed_sum
 from fl_attack.vocabulary import APPROX_PSNR_DB, EXACT_PSNR_DB, STATUS_ERROR, STATUS_OK
 
 from .layer import LayerDelta, LayerKeys, NamedArrays, layer_delta, layer_parameters, select_layer
@@ -64,6 +65,10 @@ class Auditor:
     secagg_group_size : int (default: 1)
         Simulated secure aggregation: the server only sees the sum of each group of this
         many clients (in partition order); each sum is attacked as one batch.
+    secagg_quantization : SecAggPlusQuantization or None (default: None)
+        With groups, model Flower's SecAgg+ instead of a float sum: the members' parameters
+        are clipped, quantized, summed modulo and dequantized as the protocol does
+        (:func:`fl_attack.simulate.secagg.secagg_observed_sum`); None sums floats.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class Auditor:
         isolation: str = "thread",
         seed: int = 0,
         secagg_group_size: int = 1,
+        secagg_quantization: SecAggPlusQuantization | None = None,
     ) -> None:
         if not 0.0 <= attack_fraction <= 1.0:
             raise ValueError(f"attack_fraction must be in [0, 1], got {attack_fraction}")
@@ -116,6 +122,7 @@ class Auditor:
         self.timeout = timeout
         self.seed = seed
         self.secagg_group_size = secagg_group_size
+        self.secagg_quantization = secagg_quantization
         self.layer: LayerKeys | None = None
         self.records: list[AttackRecord] = []
         #: Why results could not be stored (a full disk, ...): the run must not end as a success.
@@ -212,6 +219,17 @@ class Auditor:
         if not (np.isfinite(delta.weight_delta).all() and np.isfinite(delta.bias_delta).all()):
             return self._failed(
                 server_round, members, "unreadable update: it contains NaN or Inf entries", None
+            )
+        if self.secagg_quantization is not None and self.secagg_group_size > 1:
+            weight_sum, bias_sum = secagg_observed_sum(
+                [(each.weight_delta, each.bias_delta) for each in deltas],
+                start=(delta.weight, delta.bias),
+                num_examples=[member.num_examples for member in members],
+                settings=self.secagg_quantization,
+                seed=(self.seed, server_round, *(member.identity.node_id for member in members)),
+            )
+            delta = LayerDelta(
+                weight_delta=weight_sum, bias_delta=bias_sum, weight=delta.weight, bias=delta.bias
             )
 
         queued_at = time.time()

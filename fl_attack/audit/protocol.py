@@ -27,3 +27,9 @@ NUM_EXAMPLES_KEY = "num-examples"
 PARTITION_ID_KEY = "partition-id"
 SAMPLE_INDICES_KEY = "sample-indices"
 TRAIN_MODE_KEY = "train-mode"
+
+#: Legacy (``NumPyClient``) replies, e.g. under SecAgg+, reach a strategy only as ``FitRes``:
+#: parameters, example count and scalar metrics. An opted-in client reports its audit fields
+#: as metrics named with this prefix (sample indices as text, ``"3,17,42"``); the auditing
+#: server removes them before the inner strategy aggregates.
+LEGACY_METRIC_PREFIX = "fl-attack."
