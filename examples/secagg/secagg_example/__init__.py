@@ -1,0 +1,1 @@
+"""secagg-example: a Flower app with SecAgg+, audited by fl-attack."""
