@@ -71,4 +71,12 @@ def build_auditor(
         isolation=str(config["attack-isolation"]),
         seed=int(config["attack-seed"]),  # type: ignore[arg-type]
         secagg_group_size=int(config["secagg-group-size"]),  # type: ignore[arg-type]
+        workers=int(config["attack-workers"]),  # type: ignore[arg-type]
+        queue_size=int(config["attack-queue-size"]) or None,  # type: ignore[arg-type]
+        queue_policy=str(config["attack-queue"]),
+        backend=str(config["attack-backend"]),
+        ray_address=str(config["ray-address"]) or None,
+        attack_cpus=float(config["attack-cpus"]),  # type: ignore[arg-type]
+        attack_gpus=float(config["attack-gpus"]),  # type: ignore[arg-type]
+        progress=True,
     )

@@ -118,7 +118,10 @@ def run_audit(
         if isinstance(strategy, HonestButCuriousStrategy):
             strategy.close()
     if store is not None:
-        store.save_history(training_history(result))
+        history = training_history(result)
+        if isinstance(strategy, HonestButCuriousStrategy):
+            history["round_seconds"] = {str(key): value for key, value in strategy.round_seconds.items()}
+        store.save_history(history)
         _write_report(store)
     if isinstance(strategy, HonestButCuriousStrategy):
         _log_audit(strategy)

@@ -8,23 +8,34 @@ ground truth, when a client sent it, is used afterwards for scoring only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
-from fl_attack.vocabulary import APPROX_PSNR_DB, EXACT_PSNR_DB, STATUS_ERROR, STATUS_OK
+from fl_attack.vocabulary import (
+    APPROX_PSNR_DB,
+    EXACT_PSNR_DB,
+    STATUS_DROPPED,
+    STATUS_ERROR,
+    STATUS_OK,
+    VERDICT_DROPPED,
+)
 
 from .layer import LayerDelta, LayerKeys, NamedArrays, layer_delta, layer_parameters, select_layer
 from .observations import ClientUpdate
+from .pool import AttackPool
 from .signature import UpdateSignature, magnitude_concentration, update_signature
 from .verdict import Verdict, decide_verdict
-from .workers import Attacker, AttackResult, make_runner
+from .workers import Attacker, AttackResult, AttackRunner, make_runner
 
 if TYPE_CHECKING:
     from fl_attack.evaluation.scoring import ReconstructionScorer, Scored
@@ -64,6 +75,24 @@ class Auditor:
     secagg_group_size : int (default: 1)
         Simulated secure aggregation: the server only sees the sum of each group of this
         many clients (in partition order); each sum is attacked as one batch.
+    workers : int (default: 0)
+        Attacks that run at once off the round's critical path (:class:`AttackPool`); 0 runs
+        each attack inside :meth:`audit_round`. With workers, call :meth:`drain` or
+        :meth:`close` before reading the results.
+    queue_size : int or None (default: None)
+        Attacks that may wait for a worker; None: unbounded.
+    queue_policy : str (default: "block")
+        ``"block"``, ``"drop-oldest"`` or ``"sample"`` when the queue is full; a dropped attack
+        is recorded with status and verdict ``dropped``.
+    backend : str (default: "local")
+        ``"local"`` (a worker process or thread per pool worker) or ``"ray"`` (each attack a
+        Ray task with ``attack_cpus`` / ``attack_gpus``, on the running Ray or ``ray_address``).
+    ray_address : str or None (default: None)
+        Ray cluster to connect to when Ray is not initialised yet (None: a local Ray).
+    attack_cpus, attack_gpus : float (default: 1.0, 0.0)
+        Ray resources of one attack.
+    progress : bool (default: False)
+        Show the queue's progress on stderr.
     """
 
     def __init__(
@@ -82,6 +111,14 @@ class Auditor:
         isolation: str = "thread",
         seed: int = 0,
         secagg_group_size: int = 1,
+        workers: int = 0,
+        queue_size: int | None = None,
+        queue_policy: str = "block",
+        backend: str = "local",
+        ray_address: str | None = None,
+        attack_cpus: float = 1.0,
+        attack_gpus: float = 0.0,
+        progress: bool = False,
     ) -> None:
         if not 0.0 <= attack_fraction <= 1.0:
             raise ValueError(f"attack_fraction must be in [0, 1], got {attack_fraction}")
@@ -103,8 +140,27 @@ class Auditor:
                 or value <= 0
             ):
                 raise ValueError(f"{name} must be a positive finite number of seconds or None, got {value!r}")
+        if backend not in ("local", "ray"):
+            raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
         self.attacker = attacker
-        self.runner = make_runner(attacker, isolation)
+        self.isolation = isolation
+        self.backend = backend
+        self.ray_address = ray_address
+        self.attack_cpus = attack_cpus
+        self.attack_gpus = attack_gpus
+        self.runner = self._make_runner()
+        self._runners: list[AttackRunner] = [self.runner]
+        self._thread_runner = threading.local()
+        self._store_lock = threading.Lock()
+        self.pool = (
+            AttackPool(
+                workers=workers, queue_size=queue_size, policy=queue_policy, progress=progress, seed=seed
+            )
+            if workers > 0
+            else None
+        )
         self.store = store
         self.scorer = scorer
         self.weight_key = weight_key or None
@@ -153,13 +209,73 @@ class Auditor:
         produced = []
         for members in self.select(server_round, updates):
             try:
-                record = self._audit_unit(server_round, members, global_layer)
+                prepared = self._prepare(server_round, members, global_layer)
             except Exception as error:  # an audit must never stop training
-                record = self._failed(
+                prepared = self._failed(
                     server_round, members, f"audit failed: {type(error).__name__}: {error}", None
                 )
-            produced.append(self._keep(record))
+            if isinstance(prepared, AttackRecord):
+                produced.append(self._keep(prepared))
+            elif self.pool is None:
+                produced.append(self._keep(self._run_job(prepared, time.time())))
+            else:
+                self.pool.submit(
+                    unit_name(members),
+                    functools.partial(self._pool_job, prepared),
+                    functools.partial(self._dropped_job, prepared),
+                )
         return produced
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued attack has finished (a no-op without workers)."""
+        return True if self.pool is None else self.pool.drain(timeout)
+
+    def _make_runner(self) -> AttackRunner:
+        if self.backend == "ray":
+            from .ray_runner import RayAttackRunner
+
+            return RayAttackRunner(
+                self.attacker, address=self.ray_address, num_cpus=self.attack_cpus, num_gpus=self.attack_gpus
+            )
+        return make_runner(self.attacker, self.isolation)
+
+    def _pool_runner(self) -> AttackRunner:
+        runner = getattr(self._thread_runner, "value", None)
+        if runner is None:
+            runner = self._make_runner()
+            self._thread_runner.value = runner
+            with self._store_lock:
+                self._runners.append(runner)
+        return runner
+
+    def _pool_job(self, prepared: _Prepared, queued_at: float) -> None:
+        try:
+            record = self._run_job(prepared, queued_at, runner=self._pool_runner())
+        except Exception as error:  # never lose an attack to a bug: record it
+            record = self._failed(
+                prepared.server_round,
+                prepared.members,
+                f"audit failed: {type(error).__name__}: {error}",
+                None,
+            )
+        self._keep(record)
+
+    def _dropped_job(self, prepared: _Prepared, queued_at: float) -> None:
+        assert self.layer is not None
+        self._keep(
+            AttackRecord(
+                server_round=prepared.server_round,
+                client=unit_name(prepared.members),
+                status=STATUS_DROPPED,
+                seconds=0.0,
+                error=f"the attack queue was full (policy {self.pool.policy if self.pool else '?'})",
+                details=self._details(prepared.members),
+                verdict=VERDICT_DROPPED,
+                verdict_reason="the attack queue was full and its policy dropped this update",
+                input_space=self.layer.input_space,
+                queued_at=queued_at,
+            )
+        )
 
     def select(self, server_round: int, updates: Sequence[ClientUpdate]) -> list[list[ClientUpdate]]:
         """The units attacked this round: single updates, or secure-aggregation groups."""
@@ -184,17 +300,21 @@ class Auditor:
         return [units[index] for index in sorted(chosen)]
 
     def close(self) -> None:
-        """Stop the attack workers."""
-        self.runner.close()
+        """Wait for every queued attack, then stop the attack workers."""
+        if self.pool is not None:
+            self.pool.close()
+        for runner in self._runners:
+            runner.close()
 
     # ------------------------------------------------------------------ one unit
 
-    def _audit_unit(
+    def _prepare(
         self,
         server_round: int,
         members: list[ClientUpdate],
         global_layer: tuple[np.ndarray, np.ndarray],
-    ) -> AttackRecord:
+    ) -> AttackRecord | _Prepared:
+        """The observed update of one unit, or the record of why it cannot be attacked."""
         assert self.layer is not None
         deltas: list[LayerDelta] = []
         for member in members:
@@ -213,10 +333,17 @@ class Auditor:
             return self._failed(
                 server_round, members, "unreadable update: it contains NaN or Inf entries", None
             )
+        return _Prepared(server_round=server_round, members=members, delta=delta)
 
-        queued_at = time.time()
+    def _run_job(
+        self, prepared: _Prepared, queued_at: float, runner: AttackRunner | None = None
+    ) -> AttackRecord:
+        """Attack one prepared unit, judge and score it (in a pool thread when there is a pool)."""
+        assert self.layer is not None
+        server_round, members, delta = prepared.server_round, prepared.members, prepared.delta
         batch_size = None if self.batch_size is None else self.batch_size * len(members)
-        result = self.runner.run(
+        started_at = time.time()
+        result = (runner or self.runner).run(
             delta, batch_size=batch_size, time_budget=self.time_budget, timeout=self.timeout
         )
         finished_at = time.time()
@@ -242,7 +369,7 @@ class Auditor:
             "verdict_reason": verdict.reason,
             "input_space": self.layer.input_space,
             "queued_at": queued_at,
-            "started_at": finished_at - result.seconds,
+            "started_at": started_at,
             "finished_at": finished_at,
         }
         if result.status != STATUS_OK:
@@ -345,6 +472,10 @@ class Auditor:
 
     def _keep(self, record: AttackRecord) -> AttackRecord:
         """Write a record to the store (a failing store is logged) and remember it."""
+        with self._store_lock:
+            return self._keep_locked(record)
+
+    def _keep_locked(self, record: AttackRecord) -> AttackRecord:
         if self.store is not None:
             try:
                 self.store.save(record)
@@ -357,6 +488,15 @@ class Auditor:
                 )
         self.records.append(record)
         return record
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One unit's observed update, ready for a worker."""
+
+    server_round: int
+    members: list[ClientUpdate]
+    delta: LayerDelta
 
 
 def unit_name(members: Sequence[ClientUpdate]) -> str:
