@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeGuard
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -37,6 +38,13 @@ def client_identity(content: RecordDict, node_id: int) -> ClientIdentity:
     return ClientIdentity(node_id=node_id, partition_id=partition)
 
 
+def _is_index_list(values: object) -> TypeGuard[list[int]]:
+    """Whether ``values`` is a list of ints (bools excluded)."""
+    return isinstance(values, list) and all(
+        isinstance(value, int) and not isinstance(value, bool) for value in values
+    )
+
+
 def sample_indices(content: RecordDict) -> list[int] | None:
     """Dataset indices the client reports it trained on, or None when not reported."""
     record = audit_record(content)
@@ -45,9 +53,7 @@ def sample_indices(content: RecordDict) -> list[int] | None:
     values = record[SAMPLE_INDICES_KEY]
     if isinstance(values, int) and not isinstance(values, bool):
         return [values]
-    if not isinstance(values, list) or not all(
-        isinstance(value, int) and not isinstance(value, bool) for value in values
-    ):
+    if not _is_index_list(values):
         raise ValueError(f"'{SAMPLE_INDICES_KEY}' must be a list of ints, got {values!r}")
     return list(values)
 

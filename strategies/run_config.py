@@ -292,7 +292,7 @@ TIMEOUT_GRACE = 15.0
 
 def attack_timeout(config: Mapping[str, UserConfigValue]) -> float:
     """Hard per-attack limit: ``attack-timeout``, or ``1.5 * attack-time-budget + 15`` s."""
-    explicit = float(config["attack-timeout"])  # type: ignore[arg-type]
+    explicit = float(config["attack-timeout"])
     if explicit > 0:
         return explicit
-    return 1.5 * float(config["attack-time-budget"]) + TIMEOUT_GRACE  # type: ignore[arg-type]
+    return 1.5 * float(config["attack-time-budget"]) + TIMEOUT_GRACE
