@@ -8,6 +8,7 @@ ground truth, when a client sent it, is used afterwards for scoring only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -471,22 +472,23 @@ class Auditor:
         )
 
     def _keep(self, record: AttackRecord) -> AttackRecord:
-        """Write a record to the store (a failing store is logged) and remember it."""
-        with self._store_lock:
-            return self._keep_locked(record)
+        """Write a record to the store and remember it, without its arrays once stored.
 
-    def _keep_locked(self, record: AttackRecord) -> AttackRecord:
-        if self.store is not None:
-            try:
-                self.store.save(record)
-            except Exception as error:  # the FL run goes on; the failure is loud
-                logger.error(
-                    "Could not store the attack on %s in round %s: %s",
-                    record.client,
-                    record.server_round,
-                    error,
-                )
-        self.records.append(record)
+        A store that fails (a full disk) is logged and remembered in :attr:`store_failures`;
+        training goes on, but the run must report the loss (the ServerApp raises at its end).
+        """
+        with self._store_lock:
+            if self.store is not None:
+                try:
+                    self.store.save(record)
+                    record = dataclasses.replace(
+                        record, inputs=None, reconstructed_images=None, reference_images=None
+                    )
+                except Exception as error:  # the FL run goes on; the failure is loud
+                    message = f"round {record.server_round} {record.client}: {type(error).__name__}: {error}"
+                    self.store_failures.append(message)
+                    logger.error("Could not store the attack on %s", message)
+            self.records.append(record)
         return record
 
 
