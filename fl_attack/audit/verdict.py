@@ -103,8 +103,9 @@ def not_applicable_reason(
         )
     if n <= m:
         return (
-            f"the update has full rank on {n} input features: a batch of {n} or more samples, or "
-            "several local steps, cannot be separated by an exact attack on this layer"
+            f"the update has full rank on {n} input features: it is not one gradient of a small batch "
+            f"(a batch of {n} or more samples, several local steps, or DP noise), which an exact attack "
+            "on this layer cannot separate"
         )
     return (
         f"the update has no low-rank structure (rank close to min(m, n) = {min(m, n)}): it is not one "
