@@ -142,6 +142,17 @@ class HonestButCuriousStrategy(Strategy):
                 to_client_update(reply) for reply in training_replies(replies_list)
             ]
             self.auditor.audit_round(server_round, updates)
+            self.auditor.record_vanished(
+                server_round,
+                [
+                    (
+                        reply.metadata.src_node_id,
+                        f"the client's training reply is an error (code {reply.error.code}): {reply.error.reason}",
+                    )
+                    for reply in replies_list
+                    if reply.has_error()
+                ],
+            )
         except Exception as error:  # the audit never stops training
             log(WARNING, "Audit of round %s failed: %s: %s", server_round, type(error).__name__, error)
         strip_audit_records(replies_list)

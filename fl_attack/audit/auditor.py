@@ -32,7 +32,7 @@ from fl_attack.vocabulary import (
 )
 
 from .layer import LayerDelta, LayerKeys, NamedArrays, layer_delta, layer_parameters, select_layer
-from .observations import ClientUpdate
+from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
 from .signature import UpdateSignature, magnitude_concentration, update_signature
 from .verdict import Verdict, decide_verdict
@@ -225,6 +225,14 @@ class Auditor:
                     functools.partial(self._pool_job, prepared),
                     functools.partial(self._dropped_job, prepared),
                 )
+        return produced
+
+    def record_vanished(self, server_round: int, failures: Sequence[tuple[int, str]]) -> list[AttackRecord]:
+        """Record the clients whose training reply was an error: no update, nothing to attack."""
+        produced = []
+        for node_id, why in failures:
+            member = ClientUpdate(identity=ClientIdentity(node_id=node_id), arrays=None, error=why)
+            produced.append(self._keep(self._failed(server_round, [member], f"no update: {why}", None)))
         return produced
 
     def drain(self, timeout: float | None = None) -> bool:

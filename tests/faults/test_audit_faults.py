@@ -333,11 +333,6 @@ VANISHED = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="error replies never reach the Auditor: the wrapper drops them (training_replies) before "
-    "audit_round, so a vanished client leaves no record (fix: honest_but_curious.py + auditor.py)",
-)
 @pytest.mark.parametrize("case", list(VANISHED))
 def test_a_vanished_client_is_recorded_with_its_error(case: str, tmp_path: Path) -> None:
     run = start_run(tmp_path / "run")
@@ -485,11 +480,6 @@ def test_a_full_disk_loses_no_stored_attack_and_training_finishes(tiny_disk: Pat
     assert [path for path in run.store.directory.rglob("*") if path.name.endswith(".tmp")] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Auditor._keep logs a failed store.save but never appends to Auditor.store_failures, "
-    "so the ServerApp's AuditStoreError never fires (fix: auditor.py _keep)",
-)
 def test_a_full_disk_lists_every_lost_attack_in_store_failures(tiny_disk: Path) -> None:
     run, lost = _fill_the_disk(tiny_disk)
 
