@@ -47,7 +47,6 @@ from .helpers import (
     victim_arrays,
 )
 
-torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
