@@ -260,10 +260,14 @@ def test_batch_size_override_equals_estimate() -> None:
     assert torch.equal(estimated.inputs, given.inputs)
 
 
-@pytest.mark.parametrize("batch_size", [0, -1, 100, 101, 5000])
-def test_unattackable_batch_size_override_raises(batch_size: int) -> None:
+@pytest.mark.parametrize(
+    ("batch_size", "message"),
+    [(0, "positive integer"), (-1, "positive integer"), (100, r"min\(m, n\)"), (101, r"min\(m, n\)"),
+     (5000, r"min\(m, n\)")],
+)
+def test_unattackable_batch_size_override_raises(batch_size: int, message: str) -> None:
     case = _case(*EASY)  # m = 100 < n = 625
-    with pytest.raises(ValueError, match=r"min\(m, n\)"):
+    with pytest.raises(ValueError, match=message):
         _fast_attack().invert(case.weight_grad, case.bias_grad, **case.params(), batch_size=batch_size)
 
 
