@@ -77,6 +77,7 @@ def test_feature_matching_by_relative_error_by_hand() -> None:
     scored = FeatureScorer().score_against(reconstructed, reference)
     assert scored.kind == "features" and scored.per_sample_metric == "relative_error"
     assert scored.psnr is None and scored.reconstructed_images is None
+    assert scored.per_sample is not None
     np.testing.assert_allclose(scored.per_sample, [0.0, 0.1])
     quality = scored.quality
     assert quality["exact_fraction"] == 0.5
@@ -271,7 +272,7 @@ def test_auditor_scores_features_of_a_layer_after_convolutions() -> None:
         "fc1.bias": rng.standard_normal(6).astype(np.float32),
     }
     features = np.maximum(rng.standard_normal((3, 8)), 0.0)
-    auditor = Auditor(FixedAttacker(features[[1, 2, 0]]), scorer=FeatureScorer(), isolation="thread")
+    auditor = Auditor(FixedAttacker(features[[1, 2, 0]]), scorer=FeatureScorer(), isolation="thread")  # type: ignore[arg-type]
     auditor.start_round(1, arrays)
     reply = {
         key: value - 0.01 * rng.standard_normal(value.shape).astype(np.float32)

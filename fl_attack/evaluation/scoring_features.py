@@ -32,8 +32,9 @@ from .scored import (
 #: A reference row shorter than this share of the batch's longest row is scored against that
 #: floor instead of its own norm (an all-zero feature vector has no relative error).
 NORM_FLOOR = 1e-3
-#: Entries within this share of the batch's largest magnitude count as zero (ReLU zeros).
-ZERO_TOLERANCE = 1e-6
+#: Entries within this share of the batch's largest magnitude count as zero (ReLU zeros): the
+#: exactness threshold, since a float32 update leaves ~1e-6 residues where the truth is 0.
+ZERO_TOLERANCE = EXACT_RELATIVE_ERROR
 #: Relative error given to a true sample that no reconstructed row was matched to (the
 #: error of guessing the zero vector).
 UNMATCHED_ERROR = 1.0
