@@ -83,6 +83,12 @@ class HonestButCuriousStrategy(Strategy):
         if not isinstance(strategy, Strategy):
             cls(strategy, None)  # type: ignore[arg-type]  # raises the TypeError with its message
         settings = {key.replace("_", "-"): value for key, value in overrides.items()}
+        if "scorer" not in objects:
+            from fl_attack.evaluation.scoring_features import FeatureScorer
+
+            # the server of an arbitrary app knows no dataset: score the layer's inputs as
+            # vectors (relative error) against what opted-in clients send
+            objects["scorer"] = FeatureScorer()
         auditor = build_auditor(context.run_config, settings, **objects)
         return cls(strategy, auditor)
 
