@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 import torch
 
 from fl_attack.validation import resolve_device
 
-ArrayLike = Union[np.ndarray, torch.Tensor]
+ArrayLike = np.ndarray | torch.Tensor
 
 __all__ = ["ArrayLike", "ObservedUpdate", "resolve_device"]
 
@@ -72,7 +71,7 @@ class ObservedUpdate:
         weight: ArrayLike,
         bias: ArrayLike,
         device: torch.device,
-    ) -> "ObservedUpdate":
+    ) -> ObservedUpdate:
         """Validate shapes and values and convert everything to float64 on ``device``.
 
         Raises
@@ -87,7 +86,9 @@ class ObservedUpdate:
         weight_t = _as_tensor(weight, name="weight", device=device)
         bias_t = _as_tensor(bias, name="bias", device=device)
         if weight_grad_t.ndim != 2:
-            raise ValueError(f"weight_grad must be a 2-D (m, n) matrix, got shape {tuple(weight_grad_t.shape)}")
+            raise ValueError(
+                f"weight_grad must be a 2-D (m, n) matrix, got shape {tuple(weight_grad_t.shape)}"
+            )
         m, n = weight_grad_t.shape
         if bias_grad_t.shape != (m,):
             raise ValueError(

@@ -79,7 +79,9 @@ class HonestButCuriousStrategy(Strategy):
         """
         from .factory import build_auditor
 
-        objects: dict[str, Any] = {key: overrides.pop(key) for key in ("scorer", "attacker") if key in overrides}
+        objects: dict[str, Any] = {
+            key: overrides.pop(key) for key in ("scorer", "attacker") if key in overrides
+        }
         if not isinstance(strategy, Strategy):
             cls(strategy, None)  # type: ignore[arg-type,unused-ignore]  # raises the TypeError
         settings = {key.replace("_", "-"): value for key, value in overrides.items()}

@@ -13,24 +13,24 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.task_identity import TaskIdentity
 
+from fl_attack import Reconstruction
 from fl_attack.audit import Auditor, LayerNotFoundError
 from fl_attack.audit import select_layer as _select_layer
+from fl_attack.audit.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
+from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.results.store import ReconstructionStore, load_table
+from strategies import HonestButCuriousStrategy
+
+INPUT_DIM, WIDTH, CLASSES = 12, 6, 3
 
 
 def select_layer(record: ArrayRecord, **keys: Any) -> Any:
     """The layer chosen among a Flower record's arrays."""
     return _select_layer({key: value.numpy() for key, value in record.items()}, **keys)
-from fl_attack.audit.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
-from fl_attack.evaluation.scoring import ReconstructionScorer
-from fl_attack import Reconstruction
-from fl_attack.results.store import ReconstructionStore, load_table
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.task_identity import TaskIdentity
-from strategies import HonestButCuriousStrategy
-
-INPUT_DIM, WIDTH, CLASSES = 12, 6, 3
 
 
 @pytest.fixture(autouse=True)
@@ -168,9 +168,11 @@ def test_attacker_receives_exact_first_layer_delta() -> None:
     strategy.aggregate_train(1, replies)
 
     assert len(attacker.calls) == 2
-    for (args, kwargs), node in zip(attacker.calls, clients):
+    for (args, kwargs), node in zip(attacker.calls, clients, strict=True):
         weight_grad, bias_grad = args
-        expected_w = clients[node]["0.weight"].astype(np.float64) - global_arrays["0.weight"].astype(np.float64)
+        expected_w = clients[node]["0.weight"].astype(np.float64) - global_arrays["0.weight"].astype(
+            np.float64
+        )
         expected_b = clients[node]["0.bias"].astype(np.float64) - global_arrays["0.bias"].astype(np.float64)
         np.testing.assert_array_equal(weight_grad, expected_w)
         np.testing.assert_array_equal(bias_grad, expected_b)
@@ -224,7 +226,9 @@ def test_attack_failures_are_recorded_and_training_continues(
     store = ReconstructionStore(tmp_path / "run")
     strategy = _audited(_fedavg(), FailingAttacker(error), store=store)
     _configure(strategy, global_arrays)
-    replies = [_reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate((11, 22))]
+    replies = [
+        _reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate((11, 22))
+    ]
     expected, _ = _fedavg().aggregate_train(1, copy.deepcopy(replies))
 
     arrays, metrics = strategy.aggregate_train(1, replies)
@@ -312,7 +316,9 @@ def test_attack_selection_by_partition_and_fraction() -> None:
     nodes = (11, 22, 33, 44)
 
     def replies() -> list[Message]:
-        return [_reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate(nodes)]
+        return [
+            _reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate(nodes)
+        ]
 
     chosen = _audited(_fedavg(), RecordingAttacker(), attack_partitions=[1, 3])
     _configure(chosen, global_arrays)
@@ -340,7 +346,8 @@ def test_error_replies_are_skipped_and_passed_on() -> None:
     strategy = _audited(_fedavg(), attacker)
     _configure(strategy, global_arrays)
     arrays, _ = strategy.aggregate_train(
-        1, [_reply(11, _client_arrays(global_arrays, 1)), _reply(22, _client_arrays(global_arrays, 2)), failed]
+        1,
+        [_reply(11, _client_arrays(global_arrays, 1)), _reply(22, _client_arrays(global_arrays, 2)), failed],
     )
     assert arrays is not None
     assert len(attacker.calls) == 2 and len(strategy.records) == 3  # the error reply is recorded too
@@ -401,9 +408,7 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
         denormalize=lambda x: (torch.as_tensor(x) * 0.1 + 0.5).reshape(-1, 1, 3, 4),
         image_shape=(1, 3, 4),
     )
-    strategy = _audited(
-        _fedavg(), attacker, scorer=scorer, secagg_group_size=2, batch_size=4
-    )
+    strategy = _audited(_fedavg(), attacker, scorer=scorer, secagg_group_size=2, batch_size=4)
     global_arrays = _global_arrays()
     _configure(strategy, global_arrays)
     clients = {partition: _client_arrays(global_arrays, partition) for partition in member_indices}
@@ -441,9 +446,13 @@ def test_evaluation_is_delegated() -> None:
     strategy = _audited(inner, RecordingAttacker())
     instruction = Message(RecordDict(), dst_node_id=11, message_type=MessageType.EVALUATE)
     replies = [
-        Message(RecordDict({"metrics": MetricRecord({"num-examples": 2, "eval-acc": 0.5})}), reply_to=instruction)
+        Message(
+            RecordDict({"metrics": MetricRecord({"num-examples": 2, "eval-acc": 0.5})}), reply_to=instruction
+        )
     ]
-    assert dict(strategy.aggregate_evaluate(1, replies) or {}) == dict(inner.aggregate_evaluate(1, replies) or {})
+    assert dict(strategy.aggregate_evaluate(1, replies) or {}) == dict(
+        inner.aggregate_evaluate(1, replies) or {}
+    )
 
 
 class PicklableAttacker:

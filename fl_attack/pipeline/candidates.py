@@ -14,7 +14,6 @@ from fl_attack.pipeline.sparsity import (
     zero_masks,
 )
 
-
 #: Two kernels of the same sample differ by up to ~this many times the relative noise
 #: ``s_{b+1}/s_b`` in angle: after local FedAvg steps some of their b - 1 "zeros" are only
 #: small, not exact. Distinct samples differ by far more.
@@ -63,8 +62,16 @@ class CandidatePool:
         the sparsity ranking of noisy gradients.
     """
 
-    def __init__(self, factors: LowRankFactors, tolerance: ZeroTolerance, *, min_zeros: int,
-                 weak_min_zeros: int, cos_tolerance: float, min_excess: float = 6.0) -> None:
+    def __init__(
+        self,
+        factors: LowRankFactors,
+        tolerance: ZeroTolerance,
+        *,
+        min_zeros: int,
+        weak_min_zeros: int,
+        cos_tolerance: float,
+        min_excess: float = 6.0,
+    ) -> None:
         self.factors = factors
         self.tolerance = tolerance
         self.min_zeros = min_zeros

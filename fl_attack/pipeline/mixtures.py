@@ -75,8 +75,8 @@ def split_mixtures(
     width = float(min(0.05, max(1e-7, 10.0 * tolerance.absolute * math.sqrt(left.shape[0]))))
     proposals = []
     for start in range(0, pair_mix.numel(), chunk):
-        c = mixtures[pair_mix[start:start + chunk]]
-        f = found[pair_found[start:start + chunk]]
+        c = mixtures[pair_mix[start : start + chunk]]
+        f = found[pair_found[start : start + chunk]]
         along_c = c @ left.T
         along_f = f @ left.T
         angles = torch.atan(-along_c / torch.where(along_f == 0, torch.full_like(along_f, 1e-300), along_f))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -71,8 +71,15 @@ class SphereSchedule:
         return self.lr * self.decay ** sum(step >= milestone for milestone in self.milestones)
 
 
-def random_directions(count: int, size: int, *, generator: torch.Generator, avoid: torch.Tensor | None = None,
-                      dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
+def random_directions(
+    count: int,
+    size: int,
+    *,
+    generator: torch.Generator,
+    avoid: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Uniform unit directions, optionally restricted to the orthogonal complement of ``avoid`` rows.
 
     Restricting later restarts to the complement of already found directions steers them

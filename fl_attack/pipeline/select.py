@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from fl_attack.pipeline.decompose import LowRankFactors
-from fl_attack.types import ObservedUpdate
 from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.types import ObservedUpdate
 
 #: Residual norm below which a unit direction counts as dependent on those already chosen.
 RANK_TOLERANCE = 1e-6
@@ -134,7 +134,7 @@ def orthonormal_completion(directions: torch.Tensor, size: int) -> torch.Tensor:
     if directions.shape[0] == 0:
         return torch.eye(size, dtype=torch.float64, device=directions.device)
     q, _ = torch.linalg.qr(directions.T, mode="complete")
-    return q[:, directions.shape[0]:].T
+    return q[:, directions.shape[0] :].T
 
 
 def sparsest_independent(candidates: torch.Tensor, zero_counts: torch.Tensor, size: int) -> list[int]:
@@ -202,13 +202,16 @@ def select(
         found_mask = torch.arange(b, device=candidates.device) < found
         per_sample, q_inv = scorer.score(directions)
         per_sample = torch.where(found_mask, per_sample, torch.zeros_like(per_sample))
-        return Selection(directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean()))
+        return Selection(
+            directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
+        )
 
     directions = candidates[chosen].clone()
     per_sample, _ = scorer.score(directions)
     chosen_set = set(chosen)
-    unused = sorted((i for i in range(candidates.shape[0]) if i not in chosen_set),
-                    key=lambda i: -float(zero_counts[i]))
+    unused = sorted(
+        (i for i in range(candidates.shape[0]) if i not in chosen_set), key=lambda i: -float(zero_counts[i])
+    )
     for _ in range(max_swap_rounds):
         if not unused or bool((per_sample >= good_enough).all()) or time.perf_counter() > deadline:
             break
@@ -223,7 +226,9 @@ def select(
         per_sample = new_scores
     _, q_inv = scorer.score(directions)
     found_mask = torch.ones(b, dtype=torch.bool, device=candidates.device)
-    return Selection(directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean()))
+    return Selection(
+        directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
+    )
 
 
 def _best_swap(
@@ -296,7 +301,7 @@ def prune_doubtful(
         k = kept.shape[0]
         # a dropped row's own matching must not count: compare the other rows only
         others = (current.sum() - current) / (k - 1)
-        leave_one_out = torch.stack([torch.cat([kept[:i], kept[i + 1:]]) for i in range(k)])
+        leave_one_out = torch.stack([torch.cat([kept[:i], kept[i + 1 :]]) for i in range(k)])
         trials = _kept_matching(scorer, leave_one_out, b, deadline=deadline)
         if trials is None:
             break
@@ -337,8 +342,9 @@ def _no_deadline(values: torch.Tensor | None) -> torch.Tensor:
     return values
 
 
-def _kept_matching(scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: int, *,
-                   deadline: float = math.inf) -> torch.Tensor | None:
+def _kept_matching(
+    scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: int, *, deadline: float = math.inf
+) -> torch.Tensor | None:
     """Per-row matching ``(s, k)`` of the kept rows of each ``(s, k, b)`` set completed to
     ``b`` rows; None when the deadline passes first."""
     sets, k = kept_sets.shape[0], kept_sets.shape[1]
@@ -346,7 +352,7 @@ def _kept_matching(scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: i
     for start in range(0, sets, _PRUNE_CHUNK):
         if time.perf_counter() > deadline:
             return None
-        chunk = kept_sets[start:start + _PRUNE_CHUNK]
+        chunk = kept_sets[start : start + _PRUNE_CHUNK]
         if k < b:
             basis, _ = torch.linalg.qr(chunk.transpose(-1, -2), mode="complete")
             chunk = torch.cat([chunk, basis[..., k:].transpose(-1, -2)], dim=-2)

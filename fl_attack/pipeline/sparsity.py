@@ -15,7 +15,6 @@ import torch
 
 from fl_attack.pipeline.decompose import LowRankFactors
 
-
 #: On noisy gradients an entry within this many predicted noise deviations of 0 is a zero:
 #: it balances the true zeros missed against the small non-zeros admitted (measured on
 #: CIFAR-10 at (20, 200) and (150, 4000) under DP noise).
@@ -43,11 +42,11 @@ class ZeroTolerance:
     noise_sigmas: float = NOISE_SIGMAS
 
     @classmethod
-    def from_noise(cls, relative_noise: float, *, width: int, factor: float = 30.0) -> "ZeroTolerance":
+    def from_noise(cls, relative_noise: float, *, width: int, factor: float = 30.0) -> ZeroTolerance:
         scale = min(max(factor * relative_noise, 1e-10), 0.5)
         return cls(absolute=scale / math.sqrt(width), relative_noise=relative_noise)
 
-    def with_entry_noise(self, entry_noise: float, singular_values: torch.Tensor) -> "ZeroTolerance":
+    def with_entry_noise(self, entry_noise: float, singular_values: torch.Tensor) -> ZeroTolerance:
         """This tolerance with per-direction thresholds for gradient noise of std ``entry_noise``.
 
         ``singular_values`` are the ``b`` retained singular values of the gradient.
@@ -81,7 +80,9 @@ def min_sparsity(width: int, *, false_rejection: float) -> float:
     log_half_m = -width * math.log(2.0)
     cumulative = 0.0
     for i in range(width + 1):
-        cumulative += math.exp(math.lgamma(width + 1) - math.lgamma(i + 1) - math.lgamma(width - i + 1) + log_half_m)
+        cumulative += math.exp(
+            math.lgamma(width + 1) - math.lgamma(i + 1) - math.lgamma(width - i + 1) + log_half_m
+        )
         if cumulative > false_rejection:
             return i / width
     return 1.0
@@ -119,8 +120,9 @@ def zero_masks(factors: LowRankFactors, directions: torch.Tensor, tolerance: Zer
     return (unit @ factors.left.T).abs() <= tolerance.thresholds(unit)[:, None]
 
 
-def excess_zeros(factors: LowRankFactors, directions: torch.Tensor, tolerance: ZeroTolerance,
-                 counts: torch.Tensor) -> torch.Tensor:
+def excess_zeros(
+    factors: LowRankFactors, directions: torch.Tensor, tolerance: ZeroTolerance, counts: torch.Tensor
+) -> torch.Tensor:
     """How many standard deviations ``counts`` zeros exceed what a dense column would show.
 
     Under noise a direction's threshold can be wide enough that even a dense unit column

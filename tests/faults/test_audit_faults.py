@@ -48,7 +48,6 @@ from .helpers import (
 )
 
 
-
 @pytest.fixture(autouse=True)
 def task_identity() -> Iterator[None]:
     """Messages built outside a Flower run need a task identity (as a ServerApp has)."""
