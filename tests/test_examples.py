@@ -114,6 +114,7 @@ def test_secagg_example_runs_and_stores_its_audit(tmp_path: Path) -> None:
     example = load_example("secagg")
     overrides = {key: value for key, value in QUICK.items() if key in example.config}
     output = tmp_path / "run"
-    run_example("secagg", {**overrides, "output-dir": str(output)}, num_supernodes=2)
+    clients = int(example.config.get("num-clients", 3))  # secure aggregation needs its clients
+    run_example("secagg", {**overrides, "output-dir": str(output)}, num_supernodes=clients)
     rows = load_table(output / "attacks.csv")
     assert rows and all(row["verdict"] for row in rows)
