@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
-from fl_attack.pipeline.deadline import eigh_seconds, expired, map_rows, matmul_seconds, qr_seconds
+from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
@@ -194,7 +194,8 @@ class GradientInversionAttack(ABC):
         noisy = relative_noise > NOISY_ABOVE
         entry_noise = 0.0
         if noisy:
-            entry_noise = noise_std(factors.singular_values, batch_size=b, shape=update.weight_grad.shape)
+            shape = (update.width, update.input_dim)
+            entry_noise = noise_std(factors.singular_values, batch_size=b, shape=shape)
             if entry_noise > 0:
                 tolerance = tolerance.with_entry_noise(entry_noise, factors.singular_values[:b])
         budget = time_budget if time_budget is not None else self.time_budget
@@ -491,61 +492,3 @@ def _informative_rows(
     """Drop neurons whose gradient row is zero for the whole batch: they constrain nothing."""
     active = factors.left.norm(dim=1) > tolerance.absolute
     return replace(factors, left=factors.left[active].contiguous()), active
-
-
-class Spear(GradientInversionAttack):
-    """SPEAR: directions as kernels of randomly sampled ``(b-1)``-row submatrices.
-
-    Its expected cost grows like ``2^b``: use it for small batches (``b <= 20``) or as a
-    reference for SPEAR++.
-
-    Parameters
-    ----------
-    samples_per_batch
-        Submatrices whose kernels are computed together in one batched QR.
-    max_samples
-        Total sampling budget; ``None`` means only the time budget applies.
-    **kwargs
-        See :class:`GradientInversionAttack`.
-    """
-
-    name = "spear"
-
-    def __init__(
-        self, *, samples_per_batch: int = 4096, max_samples: int | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(**kwargs)
-        if samples_per_batch < 1:
-            raise ValueError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
-        self.samples_per_batch = samples_per_batch
-        self.max_samples = max_samples
-
-    def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
-        left = state.factors.left
-        m, b = left.shape
-        used = 0
-        while self.max_samples is None or used < self.max_samples:
-            count = (
-                self.samples_per_batch
-                if self.max_samples is None
-                else min(self.samples_per_batch, self.max_samples - used)
-            )
-            keys = torch.rand(count, m, generator=state.generator, dtype=torch.float64)
-            rows = torch.argsort(keys, dim=1)[:, : b - 1].to(left.device)
-            used += count
-            state.stats["samples"] = used
-            yield map_rows(
-                _kernel_of_rows(left), rows, seconds_per_row=qr_seconds(b), deadline=state.deadline
-            )
-            if expired(state.deadline):
-                return
-
-
-def _kernel_of_rows(left: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """For ``(k, b - 1)`` row indices, the kernels of those rows of ``left`` (SPEAR Thm. 3.3)."""
-
-    def kernels(rows: torch.Tensor) -> torch.Tensor:
-        q, _ = torch.linalg.qr(left[rows].transpose(1, 2), mode="complete")
-        return q[:, :, -1]
-
-    return kernels

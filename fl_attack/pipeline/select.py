@@ -316,7 +316,7 @@ def prune_doubtful(
     kept = selection.directions[selection.found]
     kept = kept / kept.norm(dim=1, keepdim=True)
     floor = max(1, math.ceil((1.0 - max_pruned_fraction) * b))
-    current = _kept_matching(scorer, kept[None], b)[0]
+    current = _no_deadline(_kept_matching(scorer, kept[None], b))[0]
     while kept.shape[0] > floor and not expired(deadline):
         k = kept.shape[0]
         # a dropped row's own matching must not count: compare the other rows only
@@ -336,7 +336,7 @@ def prune_doubtful(
         if helpful.numel() > 1:
             # several at once only when the extra drops do not hurt the rows that stay
             bulk = _keep_mask(k, helpful, kept.device)
-            bulk_value = _kept_matching(scorer, kept[bulk][None], b)[0]
+            bulk_value = _no_deadline(_kept_matching(scorer, kept[bulk][None], b))[0]
             single_on_bulk = value[bulk[mask]]
             if float(bulk_value.mean()) >= float(single_on_bulk.mean()) + min_gain:
                 mask, value = bulk, bulk_value
@@ -354,6 +354,12 @@ def _keep_mask(size: int, drop: torch.Tensor, device: torch.device) -> torch.Ten
     mask = torch.ones(size, dtype=torch.bool, device=device)
     mask[drop] = False
     return mask
+
+
+def _no_deadline(values: torch.Tensor | None) -> torch.Tensor:
+    """The matching of a call made without a deadline (which therefore always returns)."""
+    assert values is not None
+    return values
 
 
 def _kept_matching(

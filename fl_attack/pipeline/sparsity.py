@@ -72,6 +72,7 @@ class ZeroTolerance:
         """Zero threshold of each unit direction, shape ``unit_directions.shape[:-1]``."""
         if not self.per_direction:
             return unit_directions.new_full(unit_directions.shape[:-1], self.absolute)
+        assert self.inverse_singular_values is not None  # set with per_direction
         inverse = self.inverse_singular_values.to(device=unit_directions.device, dtype=unit_directions.dtype)
         spread = (unit_directions * inverse).norm(dim=-1)
         return (self.noise_sigmas * self.entry_noise * spread).clamp_min(1e-300)

@@ -1,14 +1,19 @@
-"""SPEAR++: sparse directions by dictionary learning on the sphere (Dimitrov et al., SPEAR++)."""
+"""SPEAR++ (search on the sphere) and SPEAR (sampling): the proposal sources of the exact attack.
+
+Both share :class:`fl_attack.attacks.spear.GradientInversionAttack` (decompose -> search ->
+select -> scale); they differ only in how candidate directions are proposed. Both propose in
+chunks that stop at the attack's deadline.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from fl_attack.attacks.spear import GradientInversionAttack, SearchState
-from fl_attack.pipeline.deadline import expired
+from fl_attack.pipeline.deadline import expired, map_rows, qr_seconds
 from fl_attack.pipeline.search import (
     OPTIMIZERS,
     SphereSchedule,
@@ -167,3 +172,61 @@ class SpearPlusPlus(GradientInversionAttack):
                 )
             if expired(state.deadline):
                 return
+
+
+class Spear(GradientInversionAttack):
+    """SPEAR: directions as kernels of randomly sampled ``(b-1)``-row submatrices.
+
+    Its expected cost grows like ``2^b``: use it for small batches (``b <= 20``) or as a
+    reference for SPEAR++.
+
+    Parameters
+    ----------
+    samples_per_batch
+        Submatrices whose kernels are computed together in one batched QR.
+    max_samples
+        Total sampling budget; ``None`` means only the time budget applies.
+    **kwargs
+        See :class:`GradientInversionAttack`.
+    """
+
+    name = "spear"
+
+    def __init__(
+        self, *, samples_per_batch: int = 4096, max_samples: int | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        if samples_per_batch < 1:
+            raise ValueError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
+        self.samples_per_batch = samples_per_batch
+        self.max_samples = max_samples
+
+    def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
+        left = state.factors.left
+        m, b = left.shape
+        used = 0
+        while self.max_samples is None or used < self.max_samples:
+            count = (
+                self.samples_per_batch
+                if self.max_samples is None
+                else min(self.samples_per_batch, self.max_samples - used)
+            )
+            keys = torch.rand(count, m, generator=state.generator, dtype=torch.float64)
+            rows = torch.argsort(keys, dim=1)[:, : b - 1].to(left.device)
+            used += count
+            state.stats["samples"] = used
+            yield map_rows(
+                _kernel_of_rows(left), rows, seconds_per_row=qr_seconds(b), deadline=state.deadline
+            )
+            if expired(state.deadline):
+                return
+
+
+def _kernel_of_rows(left: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For ``(k, b - 1)`` row indices, the kernels of those rows of ``left`` (SPEAR Thm. 3.3)."""
+
+    def kernels(rows: torch.Tensor) -> torch.Tensor:
+        q, _ = torch.linalg.qr(left[rows].transpose(1, 2), mode="complete")
+        return q[:, :, -1]
+
+    return kernels
