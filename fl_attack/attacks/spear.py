@@ -14,10 +14,12 @@ import torch
 from tqdm.auto import tqdm
 
 from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
-from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std
+from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
+from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, select
+from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
+from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
@@ -30,9 +32,15 @@ logger = logging.getLogger(__name__)
 #: and the search stops when the sparsity matching stops improving.
 NOISY_ABOVE = 1e-3
 
-#: Seconds (at most, and at most a tenth of the budget) that pruning a noisy selection may run
-#: past the time budget.
+#: Seconds (at most) that pruning a noisy selection may run past the time budget...
 PRUNE_GRACE = 30.0
+#: ... and the most it may run past it as a fraction of the budget: with the stages' own
+#: overrun (one chunk of work each), the attack returns within 110% of its budget.
+PRUNE_GRACE_FRACTION = 0.05
+
+#: The search stops early by the estimated cost of the final selection and self-check, but
+#: by at most this fraction of the budget.
+FINISH_FRACTION = 0.05
 
 #: On a noisy gradient, b directions are reported as a complete reconstruction only when their
 #: mean sparsity matching reaches this; chance is ~0.5. Measured under DP noise: 0.49-0.62 gave
@@ -47,7 +55,7 @@ SETTLED_MATCHING = 0.9
 
 
 @dataclass
-class _SearchState:
+class SearchState:
     """Mutable bookkeeping of one ``invert`` call."""
 
     factors: LowRankFactors
@@ -57,7 +65,7 @@ class _SearchState:
     stats: dict[str, Any]
     active: torch.Tensor
     noisy: bool
-    grace: float = 0.0
+    finish_by: float = math.inf
 
 
 class GradientInversionAttack(ABC):
@@ -73,9 +81,13 @@ class GradientInversionAttack(ABC):
         Seed of the attack's own random generator; the same seed on the same device gives
         the same reconstruction.
     time_budget
-        Seconds after which the search stops and returns the best reconstruction so far. On
-        noisy gradients the final pruning of doubtful rows
-        (:func:`fl_attack.pipeline.select.prune_doubtful`) may add up to a tenth of it (at most 30 s).
+        Seconds within which ``invert`` returns the best reconstruction it has, measured from
+        its call; None for no limit. Every stage checks the deadline between bounded chunks
+        of work (:mod:`fl_attack.pipeline.deadline`), the search stops early enough to leave
+        time for the final selection and self-check, and on noisy gradients the final pruning
+        of doubtful rows (:func:`fl_attack.pipeline.select.prune_doubtful`) may run up to 5%
+        of it (at most 30 s) past it: ``invert`` returns within 110% of the budget. Only the
+        initial SVD cannot be interrupted.
     false_rejection
         Probability of wrongly discarding a correct direction by the sparsity filter
         (SPEAR Sec. 4.1); sets the minimum zero fraction ``tau``.
@@ -173,7 +185,8 @@ class GradientInversionAttack(ABC):
         check_batch_size(batch_size)
         device = resolve_device(self.device)
         update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
-        factors = decompose(update.weight_grad, batch_size=batch_size)
+        floor = rounding_floor(update.weight_grad, unit_roundoff=update.unit_roundoff, weight=update.weight)
+        factors = decompose(update.weight_grad, batch_size=batch_size, rounding_floor=floor)
         b, m = factors.batch_size, update.width
         noise = noise_level if noise_level is not None else self.noise_level
         relative_noise = noise if noise is not None else factors.spectrum.relative_noise
@@ -181,7 +194,7 @@ class GradientInversionAttack(ABC):
         noisy = relative_noise > NOISY_ABOVE
         entry_noise = 0.0
         if noisy:
-            shape = (int(update.weight_grad.shape[0]), int(update.weight_grad.shape[1]))
+            shape = (update.width, update.input_dim)
             entry_noise = noise_std(factors.singular_values, batch_size=b, shape=shape)
             if entry_noise > 0:
                 tolerance = tolerance.with_entry_noise(entry_noise, factors.singular_values[:b])
@@ -192,8 +205,19 @@ class GradientInversionAttack(ABC):
             "spectral_gap": factors.spectrum.gap,
             "relative_noise": relative_noise,
             "noise_std": entry_noise,
+            "rounding_floor": floor,
             "device": str(device),
         }
+        weakest = float(factors.singular_values[b - 1])
+        if floor > 0:
+            stats["signal_to_rounding"] = weakest / floor  # below ~4 the weakest sample is lost to rounding
+        if entry_noise > 0:
+            # the weakest sample against the top of the noise bulk (Marchenko-Pastur edge): below
+            # ~1 it is indistinguishable from the noise
+            n = update.input_dim
+            stats["rank_noise_ratio"] = weakest / (
+                entry_noise * (math.sqrt(max(m - b, 1)) + math.sqrt(max(n - b, 1)))
+            )
         scorer = SparsityMatchingScorer(update, factors, tolerance)
         search_factors, active = _informative_rows(factors, tolerance)
         stats["informative_rows"] = int(active.sum())
@@ -218,51 +242,72 @@ class GradientInversionAttack(ABC):
             cos_tolerance=duplicate_cos_tolerance(relative_noise),
         )
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
-        state = _SearchState(
+        state = SearchState(
             factors=search_factors,
             pool=pool,
             generator=generator,
-            deadline=start + budget if budget is not None else math.inf,
+            deadline=start + budget - self._finishing_seconds(update, b, budget)
+            if budget is not None
+            else math.inf,
             stats=stats,
             active=active,
             noisy=noisy,
-            grace=min(PRUNE_GRACE, 0.1 * budget) if budget is not None else math.inf,
+            finish_by=start + budget + min(PRUNE_GRACE, PRUNE_GRACE_FRACTION * budget)
+            if budget is not None
+            else math.inf,
         )
         selection = self._run(state, scorer)
+        accepted = self._accepted(selection)
+        if not accepted and stats.get("stopped_by") != "no_improvement" and expired(state.deadline):
+            stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(
             candidates=len(pool),
             proposals=pool.proposals_seen,
             rejected_by_sparsity=pool.rejected_sparsity,
             directions_found=int(selection.found.sum()),
+            time_budget=budget,
+            budget_exhausted=stats.get("stopped_by") == "time_budget",
+        )
+        check = self_check(
+            selection.inputs,
+            factors=factors,
+            weight=update.weight,
+            bias=update.bias,
+            bias_grad=update.bias_grad,
+            relative_noise=relative_noise,
+            exact=not noisy,
+            found=selection.found,
+            pre_activation_basis=scorer.pre_activation_basis,
+        )
+        stats.update(check.stats())
+        # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
+        # barely above chance (noisy), are not a reconstruction: never report them complete
+        claimed = selection.complete and (
+            selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
         elapsed = time.perf_counter() - start
         logger.info(
-            "%s: b=%d found=%d/%d lambda=%.4f in %.2fs",
+            "%s: b=%d found=%d/%d lambda=%.4f self-check %s in %.2fs",
             self.name,
             b,
             stats["directions_found"],
             b,
             selection.sparsity_matching,
+            "passed" if check.passed else "failed",
             elapsed,
         )
         return Reconstruction(
             inputs=selection.inputs.detach().cpu(),
             batch_size=b,
             sparsity_matching=selection.sparsity_matching,
-            # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
-            # barely above chance (noisy), are not a reconstruction: never report them complete
-            complete=selection.complete
-            and (
-                selection.sparsity_matching >= NOISY_COMPLETE_MATCHING
-                if state.noisy
-                else self._accepted(selection)
-            ),
+            complete=claimed and check.passed,
             confidence=selection.per_sample.clamp_min(0).detach().cpu(),
             seconds=elapsed,
             stats=stats,
+            self_check=check,
         )
 
-    def _run(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+    def _run(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection:
         b = state.factors.batch_size
         best: Selection | None = None
         rounds = 0
@@ -279,13 +324,13 @@ class GradientInversionAttack(ABC):
             )
             for proposals in proposals_iter:
                 rounds += 1
-                new = state.pool.add(proposals)
+                new = state.pool.add(proposals, deadline=state.deadline)
                 if new == 0 and best is not None:
                     stale += 1
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
-                    if time.perf_counter() > state.deadline:
+                    if expired(state.deadline):
                         state.stats["stopped_by"] = "time_budget"
                         break
                     continue
@@ -305,7 +350,7 @@ class GradientInversionAttack(ABC):
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
-                if time.perf_counter() > state.deadline:
+                if expired(state.deadline):
                     state.stats["stopped_by"] = "time_budget"
                     break
         finally:
@@ -316,13 +361,19 @@ class GradientInversionAttack(ABC):
         if state.noisy and b > 1:
             found = int(best.found.sum())
             # pruning is worth a little time past the deadline: a wrong row spoils every sample
-            best = prune_doubtful(
-                scorer, best, deadline=max(state.deadline, time.perf_counter()) + state.grace
-            )
+            best = prune_doubtful(scorer, best, deadline=state.finish_by)
             state.stats["pruned"] = found - int(best.found.sum())
         return best
 
-    def _settled(self, state: _SearchState, best: Selection, stale: int) -> bool:
+    @staticmethod
+    def _finishing_seconds(update: ObservedUpdate, b: int, budget: float) -> float:
+        """Time kept back from the search for the final selection and the self-check: their
+        estimated cost, at most :data:`FINISH_FRACTION` of the budget."""
+        m, n = update.width, update.input_dim
+        estimate = 4 * score_seconds(m, b) + matmul_seconds(6.0 * b * b * (m + n)) + eigh_seconds(b)
+        return min(FINISH_FRACTION * budget, estimate)
+
+    def _settled(self, state: SearchState, best: Selection, stale: int) -> bool:
         """Whether more rounds are unlikely to help a complete selection.
 
         On noisy gradients the matching cannot reach 1. On clean FedAvg updates the ReLU
@@ -338,28 +389,32 @@ class GradientInversionAttack(ABC):
     def _accepted(self, selection: Selection) -> bool:
         return selection.complete and float(selection.per_sample.min()) >= self.accept_matching
 
-    def _select_and_split(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+    def _select_and_split(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection:
         """Select; while not accepted, split remembered mixtures into new directions and retry."""
         pool = state.pool
         selection = self._select(state, scorer)
         if state.noisy:
             return selection
         for _ in range(self.split_rounds):
-            if self._accepted(selection):
+            if self._accepted(selection) or expired(state.deadline):
                 break
             unselected = _rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]
             mixtures = torch.cat([pool.mixtures, unselected, doubtful], dim=0)
-            proposals = split_mixtures(state.factors, mixtures, pool.directions, pool.tolerance)
+            proposals = split_mixtures(
+                state.factors, mixtures, pool.directions, pool.tolerance, deadline=state.deadline
+            )
             state.stats["split_proposals"] = state.stats.get("split_proposals", 0) + int(proposals.shape[0])
-            added = pool.add(proposals)
-            added += pool.add(self._last_direction_proposals(state, scorer, selection))
+            added = pool.add(proposals, deadline=state.deadline)
+            added += pool.add(
+                self._last_direction_proposals(state, scorer, selection), deadline=state.deadline
+            )
             if added == 0:
                 break
             selection = self._select(state, scorer)
         return selection
 
-    def _select(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+    def _select(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection:
         """Select from confident then weak candidates, swapping only until the deadline.
 
         Weak candidates rank after every confident one in the sparsest-first stage; on noisy
@@ -384,7 +439,7 @@ class GradientInversionAttack(ABC):
         return select(scorer, directions, counts, deadline=state.deadline, good_enough=good_enough)
 
     def _last_direction_proposals(
-        self, state: _SearchState, scorer: SparsityMatchingScorer, selection: Selection
+        self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
     ) -> torch.Tensor:
         """Scan for the one or two directions missing (or doubtful) in an otherwise good selection."""
         b = state.factors.batch_size
@@ -406,7 +461,7 @@ class GradientInversionAttack(ABC):
         return proposals
 
     @abstractmethod
-    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
+    def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
         """Yield batches of ``(k, b)`` candidate directions until the budget is spent."""
 
 

@@ -1,18 +1,19 @@
 """SPEAR++ (search on the sphere) and SPEAR (sampling): the proposal sources of the exact attack.
 
 Both share :class:`fl_attack.attacks.spear.GradientInversionAttack` (decompose -> search ->
-select -> scale); they differ only in how candidate directions are proposed.
+select -> scale); they differ only in how candidate directions are proposed. Both propose in
+chunks that stop at the attack's deadline.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from fl_attack.attacks.spear import GradientInversionAttack, _SearchState
+from fl_attack.attacks.spear import GradientInversionAttack, SearchState
+from fl_attack.pipeline.deadline import expired, map_rows, qr_seconds
 from fl_attack.pipeline.search import (
     OPTIMIZERS,
     SphereSchedule,
@@ -21,7 +22,7 @@ from fl_attack.pipeline.search import (
     random_directions,
     sampling_rounding,
 )
-from fl_attack.pipeline.sparsity import kernel_of_smallest, least_squares_kernel
+from fl_attack.pipeline.sparsity import round_minima
 
 
 class SpearPlusPlus(GradientInversionAttack):
@@ -104,10 +105,10 @@ class SpearPlusPlus(GradientInversionAttack):
     def _initializations_per_round(self, b: int, m: int) -> int:
         if self.initializations is not None:
             return self.initializations
-        # one optimization step costs ~ k m b flops: keep a round to a few seconds on a CPU
+        # one optimization step costs ~ 4 k m b flops; larger layers take fewer initializations
         return int(max(256, min(32 * b, 4096, 1.5e9 // (m * b))))
 
-    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
+    def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
         left = state.factors.left
         m, b = left.shape
         per_round = self._initializations_per_round(b, m)
@@ -152,6 +153,8 @@ class SpearPlusPlus(GradientInversionAttack):
             ).to(torch.float64)
             used += count
             state.stats["initializations"] = used
+            if expired(state.deadline):
+                return  # no time left to round the minima
             if self.surrogate.needs_rounding:
                 yield sampling_rounding(
                     left,
@@ -159,13 +162,15 @@ class SpearPlusPlus(GradientInversionAttack):
                     pool_fraction=self.rounding_pool,
                     samples=self.rounding_samples,
                     generator=state.generator,
+                    deadline=state.deadline,
                 )
             else:
                 rows = min(m, max(b - 1, int(self.polish_fraction * m)))
-                estimate = least_squares_kernel(state.factors, minima, rows=rows)
                 # without exact zeros, rounding to b - 1 rows would only amplify the noise
-                yield estimate if state.noisy else kernel_of_smallest(state.factors, estimate, rows=b - 1)
-            if time.perf_counter() > state.deadline:
+                yield round_minima(
+                    state.factors, minima, rows=rows, exact=not state.noisy, deadline=state.deadline
+                )
+            if expired(state.deadline):
                 return
 
 
@@ -196,7 +201,7 @@ class Spear(GradientInversionAttack):
         self.samples_per_batch = samples_per_batch
         self.max_samples = max_samples
 
-    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
+    def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
         left = state.factors.left
         m, b = left.shape
         used = 0
@@ -208,9 +213,20 @@ class Spear(GradientInversionAttack):
             )
             keys = torch.rand(count, m, generator=state.generator, dtype=torch.float64)
             rows = torch.argsort(keys, dim=1)[:, : b - 1].to(left.device)
-            q, _ = torch.linalg.qr(left[rows].transpose(1, 2), mode="complete")
             used += count
             state.stats["samples"] = used
-            yield q[:, :, -1]
-            if time.perf_counter() > state.deadline:
+            yield map_rows(
+                _kernel_of_rows(left), rows, seconds_per_row=qr_seconds(b), deadline=state.deadline
+            )
+            if expired(state.deadline):
                 return
+
+
+def _kernel_of_rows(left: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For ``(k, b - 1)`` row indices, the kernels of those rows of ``left`` (SPEAR Thm. 3.3)."""
+
+    def kernels(rows: torch.Tensor) -> torch.Tensor:
+        q, _ = torch.linalg.qr(left[rows].transpose(1, 2), mode="complete")
+        return q[:, :, -1]
+
+    return kernels

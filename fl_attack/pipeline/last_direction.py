@@ -19,10 +19,10 @@ updates of each other, and a Cholesky attempt of ``G - eps I`` screens them chea
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
+from fl_attack.pipeline.deadline import cholesky_seconds, chunk_rows, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors
 from fl_attack.pipeline.sparsity import ZeroTolerance
 
@@ -38,8 +38,12 @@ def _scan_line(
     minimum: int,
     tolerance: float,
     chunk: int,
+    deadline: float,
 ) -> list[tuple[float, torch.Tensor]]:
-    """Near-exact kernels of the patterns of ``alpha * slope + bias <= 0`` over all ``alpha``."""
+    """Near-exact kernels of the patterns of ``alpha * slope + bias <= 0`` over all ``alpha``.
+
+    The patterns are screened in chunks; the ones not reached by ``deadline`` are skipped.
+    """
     b = left.shape[1]
     usable = slope != 0
     breakpoints = torch.where(
@@ -70,6 +74,8 @@ def _scan_line(
     eye = torch.eye(b, dtype=left.dtype, device=left.device)
     found: list[tuple[float, torch.Tensor]] = []
     for start in range(0, probes.numel(), chunk):
+        if expired(deadline):
+            break
         stop = min(start + chunk, probes.numel())
         index = torch.arange(start, stop, device=left.device)
         flips = index[index > 0] - 1
@@ -129,8 +135,10 @@ def scan_missing_directions(
         Zero tolerance of unit gradient columns.
     min_zeros
         Patterns with fewer inactive neurons are not considered.
+    chunk
+        Most patterns screened at once (fewer for large ``b``, to bound each chunk's time).
     deadline
-        ``time.perf_counter()`` value after which the ``d = 2`` scan stops.
+        ``time.perf_counter()`` value after which the scans stop (both ``d = 1`` and ``d = 2``).
 
     Returns
     -------
@@ -146,21 +154,36 @@ def scan_missing_directions(
     dual = complete[:, b - missing :]  # (b, d): orthogonal to every found direction
     slopes = pre_activation_basis @ dual  # (m, d)
     minimum = max(min_zeros, b - 1)
+    chunk = min(chunk, chunk_rows(cholesky_seconds(b) + matmul_seconds(4.0 * b * b), device=left.device))
     hits: list[tuple[float, torch.Tensor]] = []
     if missing == 1:
         hits = _scan_line(
-            left, slopes[:, 0], bias, minimum=minimum, tolerance=tolerance.absolute, chunk=chunk
+            left,
+            slopes[:, 0],
+            bias,
+            minimum=minimum,
+            tolerance=tolerance.absolute,
+            chunk=chunk,
+            deadline=deadline,
         )
     else:
         lines = int(max(8, min(4 * m, PAIR_SCAN_FLOPS / (m * b**3 / 3 + 1))))
         offset = 0.5 * math.pi / lines
         for k in range(lines):
-            if time.perf_counter() > deadline:
+            if expired(deadline):
                 break
             angle = offset + math.pi * k / lines
             slope = math.cos(angle) * slopes[:, 0] + math.sin(angle) * slopes[:, 1]
             hits.extend(
-                _scan_line(left, slope, bias, minimum=minimum, tolerance=tolerance.absolute, chunk=chunk)
+                _scan_line(
+                    left,
+                    slope,
+                    bias,
+                    minimum=minimum,
+                    tolerance=tolerance.absolute,
+                    chunk=chunk,
+                    deadline=deadline,
+                )
             )
     if not hits:
         return left.new_zeros(0, b)

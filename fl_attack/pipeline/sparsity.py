@@ -13,6 +13,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fl_attack.pipeline.deadline import (
+    eigh_seconds,
+    elementwise_seconds,
+    map_rows,
+    matmul_seconds,
+    qr_seconds,
+)
 from fl_attack.pipeline.decompose import LowRankFactors
 
 #: On noisy gradients an entry within this many predicted noise deviations of 0 is a zero:
@@ -169,6 +176,29 @@ def kernel_of_smallest(factors: LowRankFactors, directions: torch.Tensor, *, row
         return vh[:, -1, :]
     q, _ = torch.linalg.qr(submatrices.transpose(1, 2), mode="complete")  # (k, b, b)
     return q[:, :, -1]
+
+
+def round_minima(
+    factors: LowRankFactors, minima: torch.Tensor, *, rows: int, exact: bool, deadline: float = math.inf
+) -> torch.Tensor:
+    """Round the sphere search's minima: least-squares kernel of their ``rows`` smallest rows,
+    then (``exact``) the exact kernel of the ``b - 1`` smallest.
+
+    Runs in chunks and stops at ``deadline``: returns the rounded directions of the minima
+    processed by then, in order (a prefix of ``minima``).
+    """
+    m, b = factors.left.shape
+    seconds = (
+        matmul_seconds(4.0 * m * b + 2.0 * rows * b * b) + elementwise_seconds(2.0 * m) + eigh_seconds(b)
+    )
+    if exact:
+        seconds += qr_seconds(b)
+
+    def rounded(chunk: torch.Tensor) -> torch.Tensor:
+        estimate = least_squares_kernel(factors, chunk, rows=rows)
+        return kernel_of_smallest(factors, estimate, rows=b - 1) if exact else estimate
+
+    return map_rows(rounded, minima, seconds_per_row=seconds, deadline=deadline)
 
 
 def refine_on_zeros(
