@@ -98,6 +98,25 @@ def _load(settings: _Settings, context: Context) -> ClientData:
     )
 
 
+def _received_arrays(msg: Message) -> ArrayRecord:
+    """The global model's arrays the server sent, under :data:`ARRAYS_KEY`."""
+    record = msg.content[ARRAYS_KEY]
+    if not isinstance(record, ArrayRecord):
+        raise ValueError(f"message entry '{ARRAYS_KEY}' must be an ArrayRecord, got {type(record).__name__}")
+    return record
+
+
+def _server_round(msg: Message) -> int:
+    """The round number the server put in the message config; 0 when it sent none."""
+    config = msg.content.get(CONFIG_KEY)
+    if not isinstance(config, ConfigRecord):
+        return 0
+    value = config.get("server-round", 0)
+    if not isinstance(value, (int, float, str, bytes)):
+        raise ValueError(f"config entry 'server-round' must be a number, got {value!r}")
+    return int(value)
+
+
 def _model(settings: _Settings, data: ClientData, arrays: ArrayRecord) -> torch.nn.Module:
     from fl_attack.simulate.victims import build_victim  # pylint: disable=import-outside-toplevel
 
@@ -165,10 +184,9 @@ def _train_reply(msg: Message, context: Context, local: Mapping[str, Any], simul
     torch.set_num_threads(1)
     settings = _Settings(msg, context, local)
     data = _load(settings, context)
-    model = _model(settings, data, msg.content[ARRAYS_KEY])
+    model = _model(settings, data, _received_arrays(msg))
     partition_id, _ = _partition(context)
-    config = msg.content.get(CONFIG_KEY)
-    server_round = int(config.get("server-round", 0)) if isinstance(config, ConfigRecord) else 0
+    server_round = _server_round(msg)
     mode = settings.text("train-mode")
     seed = [settings.integer("client-seed"), partition_id, server_round]
     outcome = _train(mode, settings, model, data, seed)
@@ -193,7 +211,7 @@ def _evaluate_reply(msg: Message, context: Context, local: Mapping[str, Any]) ->
     torch.set_num_threads(1)
     settings = _Settings(msg, context, local)
     data = _load(settings, context)
-    model = _model(settings, data, msg.content[ARRAYS_KEY])
+    model = _model(settings, data, _received_arrays(msg))
     loss, accuracy = evaluate_model(model, data.images, data.labels, data.indices)
     metrics = MetricRecord({NUM_EXAMPLES_KEY: len(data.indices), "eval-loss": loss, "eval-acc": accuracy})
     return Message(content=RecordDict({METRICS_KEY: metrics}), reply_to=msg)

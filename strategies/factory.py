@@ -21,8 +21,8 @@ def build_attacker(config: Mapping[str, UserConfigValue]) -> Attacker:
     return get_attack(
         str(config["attack-name"]),
         device=str(config["attack-device"]),
-        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
-        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
+        seed=int(config["attack-seed"]),
+        time_budget=float(config["attack-time-budget"]),
         progress=False,
     )
 
@@ -57,20 +57,28 @@ def build_auditor(
         Where to write; None keeps records in memory only.
     """
     config = resolve_audit_config(run_config, overrides)
-    batch_size = int(config["attack-batch-size"])  # type: ignore[arg-type]
+    batch_size = int(config["attack-batch-size"])
     return Auditor(
         attacker if attacker is not None else build_attacker(config),
         store=build_store(config) if store is ... else store,
         scorer=scorer,
         weight_key=str(config["attack-weight-key"]) or None,
         bias_key=str(config["attack-bias-key"]) or None,
-        attack_fraction=float(config["attack-fraction"]),  # type: ignore[arg-type]
+        attack_fraction=float(config["attack-fraction"]),
         attack_partitions=parse_partitions(str(config["attack-partitions"])),
         batch_size=batch_size or None,
-        time_budget=float(config["attack-time-budget"]),  # type: ignore[arg-type]
+        time_budget=float(config["attack-time-budget"]),
         timeout=attack_timeout(config),
         isolation=str(config["attack-isolation"]),
-        seed=int(config["attack-seed"]),  # type: ignore[arg-type]
-        secagg_group_size=int(config["secagg-group-size"]),  # type: ignore[arg-type]
+        seed=int(config["attack-seed"]),
+        secagg_group_size=int(config["secagg-group-size"]),
         secagg_quantization=FLOWER_DEFAULTS if config["secagg-quantization"] else None,
+        workers=int(config["attack-workers"]),
+        queue_size=int(config["attack-queue-size"]) or None,
+        queue_policy=str(config["attack-queue"]),
+        backend=str(config["attack-backend"]),
+        ray_address=str(config["ray-address"]) or None,
+        attack_cpus=float(config["attack-cpus"]),
+        attack_gpus=float(config["attack-gpus"]),
+        progress=True,
     )

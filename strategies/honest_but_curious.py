@@ -10,6 +10,7 @@ aggregate exactly what it would have aggregated without the audit.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any
@@ -52,6 +53,9 @@ class HonestButCuriousStrategy(Strategy):
             )
         self.strategy = strategy
         self.auditor = auditor
+        #: Wall seconds of every round, from configure_train to the end of aggregate_train.
+        self.round_seconds: dict[int, float] = {}
+        self._round_started: dict[int, float] = {}
 
     @classmethod
     def from_context(
@@ -75,10 +79,18 @@ class HonestButCuriousStrategy(Strategy):
         """
         from .factory import build_auditor
 
-        objects = {key: overrides.pop(key) for key in ("scorer", "attacker") if key in overrides}
+        objects: dict[str, Any] = {
+            key: overrides.pop(key) for key in ("scorer", "attacker") if key in overrides
+        }
         if not isinstance(strategy, Strategy):
-            cls(strategy, None)  # type: ignore[arg-type]  # raises the TypeError with its message
+            cls(strategy, None)  # type: ignore[arg-type,unused-ignore]  # raises the TypeError
         settings = {key.replace("_", "-"): value for key, value in overrides.items()}
+        if "scorer" not in objects:
+            from fl_attack.evaluation.scoring_features import FeatureScorer
+
+            # the server of an arbitrary app knows no dataset: score the layer's inputs as
+            # vectors (relative error) against what opted-in clients send
+            objects["scorer"] = FeatureScorer()
         auditor = build_auditor(context.run_config, settings, **objects)
         return cls(strategy, auditor)
 
@@ -122,6 +134,7 @@ class HonestButCuriousStrategy(Strategy):
             In the first round, if the configured layer is not in ``arrays`` (a configuration
             error, reported before any client trains).
         """
+        self._round_started[server_round] = time.perf_counter()
         self.auditor.start_round(server_round, {key: value.numpy() for key, value in arrays.items()})
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
@@ -137,13 +150,31 @@ class HonestButCuriousStrategy(Strategy):
                 to_client_update(reply) for reply in training_replies(replies_list)
             ]
             self.auditor.audit_round(server_round, updates)
+            self.auditor.record_vanished(
+                server_round,
+                [
+                    (
+                        reply.metadata.src_node_id,
+                        f"the client's training reply is an error (code {reply.error.code}): {reply.error.reason}",
+                    )
+                    for reply in replies_list
+                    if reply.has_error()
+                ],
+            )
         except Exception as error:  # the audit never stops training
             log(WARNING, "Audit of round %s failed: %s: %s", server_round, type(error).__name__, error)
         strip_audit_records(replies_list)
-        return self.strategy.aggregate_train(server_round, replies_list)
+        aggregated = self.strategy.aggregate_train(server_round, replies_list)
+        if server_round in self._round_started:
+            self.round_seconds[server_round] = time.perf_counter() - self._round_started.pop(server_round)
+        return aggregated
 
     def close(self) -> None:
-        """Stop the attack workers."""
+        """Wait for every queued attack to finish, then stop the attack workers.
+
+        Call it after :meth:`start` (the ServerApp of this project does): with attack
+        workers, attacks run after aggregation, off the round's critical path.
+        """
         self.auditor.close()
 
     # ---------------------------------------------------------------- evaluation

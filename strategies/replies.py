@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Iterable
+from typing import TypeGuard
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -21,6 +24,8 @@ from fl_attack.audit.protocol import (
 #: Records that only the audit reads; removed before the inner strategy aggregates.
 AUDIT_RECORDS = (AUDIT_KEY, GROUND_TRUTH_KEY)
 
+logger = logging.getLogger(__name__)
+
 
 def audit_record(content: RecordDict) -> ConfigRecord | None:
     """The reply's audit ConfigRecord, or None when the client sent none."""
@@ -37,6 +42,13 @@ def client_identity(content: RecordDict, node_id: int) -> ClientIdentity:
     return ClientIdentity(node_id=node_id, partition_id=partition)
 
 
+def _is_index_list(values: object) -> TypeGuard[list[int]]:
+    """Whether ``values`` is a list of ints (bools excluded)."""
+    return isinstance(values, list) and all(
+        isinstance(value, int) and not isinstance(value, bool) for value in values
+    )
+
+
 def sample_indices(content: RecordDict) -> list[int] | None:
     """Dataset indices the client reports it trained on, or None when not reported."""
     record = audit_record(content)
@@ -45,11 +57,9 @@ def sample_indices(content: RecordDict) -> list[int] | None:
     values = record[SAMPLE_INDICES_KEY]
     if isinstance(values, int) and not isinstance(values, bool):
         return [values]
-    if not isinstance(values, list) or not all(
-        isinstance(value, int) and not isinstance(value, bool) for value in values
-    ):
+    if not _is_index_list(values):
         raise ValueError(f"'{SAMPLE_INDICES_KEY}' must be a list of ints, got {values!r}")
-    return list(values)
+    return [value for value in values if isinstance(value, int)]
 
 
 def ground_truth(content: RecordDict) -> GroundTruth | None:
@@ -57,6 +67,10 @@ def ground_truth(content: RecordDict) -> GroundTruth | None:
     record = content.get(GROUND_TRUTH_KEY)
     if isinstance(record, ArrayRecord) and GROUND_TRUTH_INPUTS in record:
         inputs = record[GROUND_TRUTH_INPUTS].numpy()
+        if inputs.ndim == 0:
+            raise ValueError(
+                f"'{GROUND_TRUTH_INPUTS}' must hold one row per sample, got a scalar of dtype {inputs.dtype}"
+            )
         return GroundTruth(inputs=np.asarray(inputs, dtype=np.float64).reshape(len(inputs), -1))
     indices = sample_indices(content)
     return None if indices is None else GroundTruth(indices=indices)
@@ -76,20 +90,46 @@ def model_arrays(content: RecordDict) -> dict[str, np.ndarray]:
     return {key: array.numpy() for key, array in records[0].items()}
 
 
+def reported_examples(content: RecordDict) -> int | None:
+    """The example count a reply reports (FedAvg's weight), or None when absent or not a count.
+
+    A value that is not a finite, non-negative number (NaN, infinity, a list) is no count:
+    it is ignored here, and the inner strategy sees it unchanged.
+    """
+    count = None
+    for metrics in content.metric_records.values():
+        if isinstance(metrics, MetricRecord) and NUM_EXAMPLES_KEY in metrics:
+            value = metrics[NUM_EXAMPLES_KEY]
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value >= 0
+            ):
+                count = int(value)
+            else:
+                count = None
+    return count
+
+
 def to_client_update(reply: Message) -> ClientUpdate:
-    """Convert one reply; an unreadable reply becomes an update with ``arrays=None`` and its error."""
+    """Convert one reply; an unreadable reply becomes an update with ``arrays=None`` and its error.
+
+    A malformed ground truth is dropped (with a warning naming the problem) and a malformed
+    example count is ignored, so that one client's bad metadata never costs the audit of the
+    round's other clients.
+    """
     content = reply.content
     identity = client_identity(content, reply.metadata.src_node_id)
     record = audit_record(content)
     mode = None if record is None else record.get(TRAIN_MODE_KEY)
-    num_examples = None
-    for metrics in content.metric_records.values():
-        if isinstance(metrics, MetricRecord) and NUM_EXAMPLES_KEY in metrics:
-            value = metrics[NUM_EXAMPLES_KEY]
-            num_examples = int(value) if isinstance(value, (int, float)) else None
+    num_examples = reported_examples(content)
     try:
         truth = ground_truth(content)
-    except ValueError:
+    except Exception as failure:  # scoring only: the update itself is still audited
+        logger.warning(
+            "Ignoring the ground truth sent by %s: %s: %s", identity.name, type(failure).__name__, failure
+        )
         truth = None
     try:
         arrays: dict[str, np.ndarray] | None = model_arrays(content)

@@ -147,6 +147,25 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attack-device", "auto", "auto, cpu or cuda[:N]", "audit"),
     Setting("attack-seed", 0, "seed of the attack and of the attacked-update draw", "audit"),
     Setting("output-dir", "", "where the run is stored (default outputs/audit-<timestamp>)", "audit"),
+    Setting(
+        "attack-workers",
+        1,
+        "attacks run at once off the round's critical path (0: inside the round)",
+        "audit",
+        minimum=0,
+    ),
+    Setting("attack-backend", "local", "local (worker processes) or ray", "audit", choices=("local", "ray")),
+    Setting("ray-address", "", "Ray cluster for attack-backend=ray when Ray is not running yet", "audit"),
+    Setting("attack-cpus", 1.0, "Ray CPUs per attack", "audit", minimum=0),
+    Setting("attack-gpus", 0.0, "Ray GPUs per attack", "audit", minimum=0),
+    Setting(
+        "attack-queue",
+        "block",
+        "when the queue is full: block, drop-oldest or sample",
+        "audit",
+        choices=("block", "drop-oldest", "sample"),
+    ),
+    Setting("attack-queue-size", 0, "attacks that may wait for a worker (0: unbounded)", "audit", minimum=0),
 )
 
 SETTINGS_BY_KEY: dict[str, Setting] = {setting.key: setting for setting in SETTINGS}
@@ -157,7 +176,7 @@ CLIENT_KEYS: tuple[str, ...] = tuple(setting.key for setting in SETTINGS if sett
 #: Keys the audit wrapper reads from any app's run config.
 AUDIT_KEYS: tuple[str, ...] = tuple(setting.key for setting in SETTINGS if setting.is_audit)
 #: A run-config key of any app that starts like this belongs to the audit: a typo is an error.
-AUDIT_PREFIXES: tuple[str, ...] = ("attack-", "audit-", "secagg-", "output-dir")
+AUDIT_PREFIXES: tuple[str, ...] = ("attack-", "audit-", "secagg-", "output-dir", "ray-")
 
 
 def closest_key(key: str, keys: tuple[str, ...] = tuple(DEFAULT_RUN_CONFIG)) -> str | None:
@@ -279,7 +298,7 @@ TIMEOUT_GRACE = 15.0
 
 def attack_timeout(config: Mapping[str, UserConfigValue]) -> float:
     """Hard per-attack limit: ``attack-timeout``, or ``1.5 * attack-time-budget + 15`` s."""
-    explicit = float(config["attack-timeout"])  # type: ignore[arg-type]
+    explicit = float(config["attack-timeout"])
     if explicit > 0:
         return explicit
-    return 1.5 * float(config["attack-time-budget"]) + TIMEOUT_GRACE  # type: ignore[arg-type]
+    return 1.5 * float(config["attack-time-budget"]) + TIMEOUT_GRACE

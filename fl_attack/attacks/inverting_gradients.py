@@ -15,30 +15,45 @@ and it is never exact: it is here so that benchmarks can run it on the same grad
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
+import operator
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from fl_attack.types import ArrayLike, resolve_device
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.simulate.victims import LOSSES
+from fl_attack.simulate.gradients import LOSSES
+from fl_attack.types import ArrayLike, resolve_device
+
+from .inverting_gradients_inputs import (
+    GradientsLike,
+    check_budget,
+    check_labels,
+    check_shape,
+    gradient_list,
+    input_box,
+)
 
 __all__ = ["InvertingGradients", "cosine_matching_loss", "total_variation"]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-GradientsLike = Sequence[ArrayLike] | Mapping[str, ArrayLike]
 
 #: Iterations timed at the start of each restart to fit the schedule into a time budget.
 _PROBE_ITERATIONS = 10
+
+
+def _added(values: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of (at least one) tensors, added left to right as the builtin ``sum`` does."""
+    total: torch.Tensor = functools.reduce(operator.add, values)
+    return total
 
 
 def cosine_matching_loss(candidate: Sequence[torch.Tensor], target: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -54,9 +69,9 @@ def cosine_matching_loss(candidate: Sequence[torch.Tensor], target: Sequence[tor
     torch.Tensor
         Scalar in ``[0, 2]``; 0 when the gradients are parallel.
     """
-    dot = sum((c * t).sum() for c, t in zip(candidate, target, strict=True))
-    norm_c = torch.sqrt(sum(c.pow(2).sum() for c in candidate))
-    norm_t = torch.sqrt(sum(t.pow(2).sum() for t in target))
+    dot = _added((c * t).sum() for c, t in zip(candidate, target, strict=True))
+    norm_c = torch.sqrt(_added(c.pow(2).sum() for c in candidate))
+    norm_t = torch.sqrt(_added(t.pow(2).sum() for t in target))
     return 1.0 - dot / (norm_c * norm_t).clamp_min(torch.finfo(norm_t.dtype).tiny)
 
 
@@ -201,7 +216,7 @@ class InvertingGradients:
             raise ValueError(f"lr_decay must be in (0, 1], got {lr_decay}")
         if isinstance(loss, str) and loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; available: {sorted(LOSSES)}")
-        _check_budget(time_budget)
+        check_budget(time_budget)
         self.iterations = iterations
         self.lr = float(lr)
         self.tv_weight = float(tv_weight)
@@ -274,12 +289,19 @@ class InvertingGradients:
         """
         start = time.perf_counter()
         budget = time_budget if time_budget is not None else self.time_budget
-        _check_budget(budget)
+        check_budget(budget)
         deadline = start + budget if budget is not None else math.inf
         device = resolve_device(self.device)
-        problem = self._prepare(gradients, model=model, labels=labels, input_shape=input_shape,
-                                data_mean=data_mean, data_std=data_std, batch_size=batch_size,
-                                device=device)
+        problem = self._prepare(
+            gradients,
+            model=model,
+            labels=labels,
+            input_shape=input_shape,
+            data_mean=data_mean,
+            data_std=data_std,
+            batch_size=batch_size,
+            device=device,
+        )
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
         runs: list[_Restart] = []
         stopped_by = "iterations"
@@ -309,8 +331,15 @@ class InvertingGradients:
             "stopped_by": stopped_by,
             "device": str(device),
         }
-        logger.info("%s: b=%d 1-cos=%.4g after %d iterations x %d restarts in %.1fs", self.name, b,
-                    best.matching_loss, best.iterations, len(runs), elapsed)
+        logger.info(
+            "%s: b=%d 1-cos=%.4g after %d iterations x %d restarts in %.1fs",
+            self.name,
+            b,
+            best.matching_loss,
+            best.iterations,
+            len(runs),
+            elapsed,
+        )
         confidence = torch.full((b,), min(max(cosine, 0.0), 1.0), dtype=torch.float64)
         return Reconstruction(
             inputs=best.inputs.detach().reshape(b, -1).to(device="cpu", dtype=torch.float64),
@@ -368,7 +397,9 @@ class InvertingGradients:
         final = float(problem.matching_loss(x, create_graph=False))
         if not math.isfinite(final):
             final = math.inf
-        return _Restart(inputs=x.detach(), matching_loss=final, initial_matching_loss=initial, iterations=done)
+        return _Restart(
+            inputs=x.detach(), matching_loss=final, initial_matching_loss=initial, iterations=done
+        )
 
     def _boundaries(self, total: int) -> list[int]:
         return [int(round(f * total)) for f in self.milestones]
@@ -395,16 +426,16 @@ class InvertingGradients:
     ) -> _Problem:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        shape = _check_shape(input_shape)
+        shape = check_shape(input_shape)
         local = copy.deepcopy(model).to(device)
         named = list(local.named_parameters())
         if not named:
             raise ValueError("model has no parameters: there is no gradient to match")
         params = [p.requires_grad_(True) for _, p in named]
         dtype = params[0].dtype
-        target = _gradient_list(gradients, named, device=device, dtype=dtype)
-        y = _check_labels(labels, batch_size=batch_size, device=device)
-        low, high = self._box(shape, data_mean, data_std, device=device, dtype=dtype)
+        target = gradient_list(gradients, named, device=device, dtype=dtype)
+        y = check_labels(labels, batch_size=batch_size, device=device)
+        low, high = input_box(shape, data_mean, data_std, boxed=self.boxed, device=device, dtype=dtype)
         loss_fn = LOSSES[self.loss] if isinstance(self.loss, str) else self.loss
         probe = torch.zeros((y.shape[0], *shape), dtype=dtype, device=device)
         try:
@@ -419,133 +450,13 @@ class InvertingGradients:
             )
         if int(y.max()) >= logits.shape[1]:
             raise ValueError(f"labels must be < {logits.shape[1]} (the model's outputs), got {int(y.max())}")
-        return _Problem(model=local, params=params, target=target, labels=y, shape=shape,
-                        low=low, high=high, loss_fn=loss_fn)
-
-    def _box(
-        self,
-        shape: tuple[int, ...],
-        data_mean: Sequence[float] | None,
-        data_std: Sequence[float] | None,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if (data_mean is None) != (data_std is None):
-            raise ValueError("give both data_mean and data_std, or neither")
-        mean = np.zeros(1) if data_mean is None else np.asarray(data_mean, dtype=np.float64).reshape(-1)
-        std = np.ones(1) if data_std is None else np.asarray(data_std, dtype=np.float64).reshape(-1)
-        channels = shape[0] if len(shape) == 3 else 1
-        for name, values in (("data_mean", mean), ("data_std", std)):
-            if values.size not in (1, channels):
-                raise ValueError(f"{name} needs 1 or {channels} values (one per channel), got {values.size}")
-            if not np.isfinite(values).all():
-                raise ValueError(f"{name} contains NaN or Inf")
-        if (std <= 0).any():
-            raise ValueError(f"data_std must be positive, got {std.tolist()}")
-        if not self.boxed:
-            return None, None
-        # (1, C, 1, 1) for images, all-ones (a single value broadcast) for other inputs
-        view = (1, -1, 1, 1) if len(shape) == 3 else (1,) * (len(shape) + 1)
-        low = torch.as_tensor((0.0 - mean) / std, dtype=dtype, device=device).reshape(view)
-        high = torch.as_tensor((1.0 - mean) / std, dtype=dtype, device=device).reshape(view)
-        return low, high
-
-
-def _check_budget(budget: float | None) -> None:
-    if budget is not None and not budget > 0:
-        raise ValueError(f"time_budget must be positive, got {budget}")
-
-
-def _check_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(s) for s in input_shape)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"input_shape must be a sequence of positive integers, got {input_shape!r}") from exc
-    if not shape or any(s < 1 for s in shape):
-        raise ValueError(f"input_shape must be a non-empty sequence of positive integers, got {input_shape!r}")
-    return shape
-
-
-def _to_tensor(value: ArrayLike, *, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
-            raise ValueError(f"{name} must hold real numbers, got dtype {value.dtype}")
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
-    elif isinstance(value, torch.Tensor):
-        if value.is_complex():
-            raise ValueError(f"{name} must hold real numbers, got dtype {value.dtype}")
-        tensor = value.detach()
-    else:
-        raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(value).__name__}")
-    tensor = tensor.to(device=device, dtype=dtype)
-    if not torch.isfinite(tensor).all():
-        raise ValueError(f"{name} contains {int((~torch.isfinite(tensor)).sum())} NaN or Inf entries")
-    return tensor
-
-
-def _gradient_list(
-    gradients: GradientsLike,
-    named: list[tuple[str, torch.Tensor]],
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """Validate the observed gradients against the model's parameters, in parameter order."""
-    names = [name for name, _ in named]
-    if isinstance(gradients, Mapping):
-        missing = [name for name in names if name not in gradients or gradients[name] is None]
-        if missing:
-            raise ValueError(f"missing gradients for parameters {missing}; the attack matches all of {names}")
-        unknown = sorted(str(key) for key in gradients if key not in names)
-        if unknown:
-            raise ValueError(f"gradients for unknown parameters {unknown}; the model has {names}")
-        values = [gradients[name] for name in names]
-    elif isinstance(gradients, (str, bytes)) or not isinstance(gradients, Sequence):
-        raise ValueError(
-            "gradients must be a sequence in model.parameters() order or a mapping of parameter "
-            f"names, got {type(gradients).__name__}"
+        return _Problem(
+            model=local,
+            params=params,
+            target=target,
+            labels=y,
+            shape=shape,
+            low=low,
+            high=high,
+            loss_fn=loss_fn,
         )
-    else:
-        if len(gradients) != len(named):
-            raise ValueError(
-                f"got {len(gradients)} gradients but the model has {len(named)} parameters {names}: "
-                "missing gradients (the attack matches every parameter)"
-            )
-        values = list(gradients)
-        missing = [name for name, value in zip(names, values, strict=True) if value is None]
-        if missing:
-            raise ValueError(f"missing gradients for parameters {missing}")
-    target = []
-    for (name, param), value in zip(named, values, strict=True):
-        tensor = _to_tensor(value, name=f"gradient of {name}", device=device, dtype=dtype)
-        if tensor.shape != param.shape:
-            raise ValueError(
-                f"gradient of {name} has shape {tuple(tensor.shape)} but the parameter has shape "
-                f"{tuple(param.shape)}"
-            )
-        target.append(tensor)
-    if not any(bool(torch.any(t != 0)) for t in target):
-        raise ValueError("the gradients are all zeros: the client sent no information about its batch")
-    return target
-
-
-def _check_labels(labels: ArrayLike | Sequence[int], *, batch_size: int | None, device: torch.device) -> torch.Tensor:
-    if isinstance(labels, np.ndarray):
-        tensor = torch.from_numpy(np.ascontiguousarray(labels))
-    elif isinstance(labels, torch.Tensor):
-        tensor = labels.detach()
-    else:
-        try:
-            tensor = torch.as_tensor(list(labels))
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"labels must be a 1-D sequence of integer class indices: {exc}") from exc
-    if tensor.dim() != 1 or tensor.numel() == 0:
-        raise ValueError(f"labels must be a non-empty 1-D sequence of class indices, got shape {tuple(tensor.shape)}")
-    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
-        raise ValueError(f"labels must be integer class indices, got dtype {tensor.dtype}")
-    if int(tensor.min()) < 0:
-        raise ValueError(f"labels must be non-negative class indices, got {int(tensor.min())}")
-    if batch_size is not None and batch_size != tensor.numel():
-        raise ValueError(f"labels has {tensor.numel()} entries but batch_size is {batch_size}: one label per sample")
-    return tensor.to(device=device, dtype=torch.int64)

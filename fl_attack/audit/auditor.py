@@ -8,9 +8,12 @@ ground truth, when a client sent it, is used afterwards for scoring only.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,14 +21,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
-from fl_attack.simulate.secagg import SecAggPlusQuantization, secagg_observed_sum
-from fl_attack.vocabulary import APPROX_PSNR_DB, EXACT_PSNR_DB, STATUS_ERROR, STATUS_OK
+from fl_attack.simulate.secagg import SecAggPlusQuantization
+from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
 
 from .layer import LayerDelta, LayerKeys, NamedArrays, layer_delta, layer_parameters, select_layer
-from .observations import ClientUpdate
+from .observations import ClientIdentity, ClientUpdate
+from .pool import AttackPool
 from .signature import UpdateSignature, magnitude_concentration, update_signature
+from .units import Prepared, attack_summary, member_quality, observed_sum, to_numpy, total_examples, unit_name
 from .verdict import Verdict, decide_verdict
-from .workers import Attacker, AttackResult, make_runner
+from .workers import Attacker, AttackResult, AttackRunner, make_runner
 
 if TYPE_CHECKING:
     from fl_attack.evaluation.scoring import ReconstructionScorer, Scored
@@ -66,9 +71,26 @@ class Auditor:
         Simulated secure aggregation: the server only sees the sum of each group of this
         many clients (in partition order); each sum is attacked as one batch.
     secagg_quantization : SecAggPlusQuantization or None (default: None)
-        With groups, model Flower's SecAgg+ instead of a float sum: the members' parameters
-        are clipped, quantized, summed modulo and dequantized as the protocol does
-        (:func:`fl_attack.simulate.secagg.secagg_observed_sum`); None sums floats.
+        With groups, Flower's SecAgg+ sum (clip, quantize, modular sum, dequantize;
+        :func:`fl_attack.simulate.secagg.secagg_observed_sum`) instead of a float sum.
+    workers : int (default: 0)
+        Attacks that run at once off the round's critical path (:class:`AttackPool`); 0 runs
+        each attack inside :meth:`audit_round`. With workers, call :meth:`drain` or
+        :meth:`close` before reading the results.
+    queue_size : int or None (default: None)
+        Attacks that may wait for a worker; None: unbounded.
+    queue_policy : str (default: "block")
+        ``"block"``, ``"drop-oldest"`` or ``"sample"`` when the queue is full; a dropped attack
+        is recorded with status and verdict ``dropped``.
+    backend : str (default: "local")
+        ``"local"`` (a worker process or thread per pool worker) or ``"ray"`` (each attack a
+        Ray task with ``attack_cpus`` / ``attack_gpus``, on the running Ray or ``ray_address``).
+    ray_address : str or None (default: None)
+        Ray cluster to connect to when Ray is not initialised yet (None: a local Ray).
+    attack_cpus, attack_gpus : float (default: 1.0, 0.0)
+        Ray resources of one attack.
+    progress : bool (default: False)
+        Show the queue's progress on stderr.
     """
 
     def __init__(
@@ -88,6 +110,14 @@ class Auditor:
         seed: int = 0,
         secagg_group_size: int = 1,
         secagg_quantization: SecAggPlusQuantization | None = None,
+        workers: int = 0,
+        queue_size: int | None = None,
+        queue_policy: str = "block",
+        backend: str = "local",
+        ray_address: str | None = None,
+        attack_cpus: float = 1.0,
+        attack_gpus: float = 0.0,
+        progress: bool = False,
     ) -> None:
         if not 0.0 <= attack_fraction <= 1.0:
             raise ValueError(f"attack_fraction must be in [0, 1], got {attack_fraction}")
@@ -109,8 +139,27 @@ class Auditor:
                 or value <= 0
             ):
                 raise ValueError(f"{name} must be a positive finite number of seconds or None, got {value!r}")
+        if backend not in ("local", "ray"):
+            raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
         self.attacker = attacker
-        self.runner = make_runner(attacker, isolation)
+        self.isolation = isolation
+        self.backend = backend
+        self.ray_address = ray_address
+        self.attack_cpus = attack_cpus
+        self.attack_gpus = attack_gpus
+        self.runner = self._make_runner()
+        self._runners: list[AttackRunner] = [self.runner]
+        self._thread_runner = threading.local()
+        self._store_lock = threading.Lock()
+        self.pool = (
+            AttackPool(
+                workers=workers, queue_size=queue_size, policy=queue_policy, progress=progress, seed=seed
+            )
+            if workers > 0
+            else None
+        )
         self.store = store
         self.scorer = scorer
         self.weight_key = weight_key or None
@@ -122,7 +171,7 @@ class Auditor:
         self.timeout = timeout
         self.seed = seed
         self.secagg_group_size = secagg_group_size
-        self.secagg_quantization = secagg_quantization
+        self.secagg_quantization = secagg_quantization if secagg_group_size > 1 else None
         self.layer: LayerKeys | None = None
         self.records: list[AttackRecord] = []
         #: Why results could not be stored (a full disk, ...): the run must not end as a success.
@@ -160,13 +209,81 @@ class Auditor:
         produced = []
         for members in self.select(server_round, updates):
             try:
-                record = self._audit_unit(server_round, members, global_layer)
+                prepared = self._prepare(server_round, members, global_layer)
             except Exception as error:  # an audit must never stop training
-                record = self._failed(
+                prepared = self._failed(
                     server_round, members, f"audit failed: {type(error).__name__}: {error}", None
                 )
-            produced.append(self._keep(record))
+            if isinstance(prepared, AttackRecord):
+                produced.append(self._keep(prepared))
+            elif self.pool is None:
+                produced.append(self._keep(self._run_job(prepared, time.time())))
+            else:
+                self.pool.submit(
+                    unit_name(members),
+                    functools.partial(self._pool_job, prepared),
+                    functools.partial(self._dropped_job, prepared),
+                )
         return produced
+
+    def record_vanished(self, server_round: int, failures: Sequence[tuple[int, str]]) -> list[AttackRecord]:
+        """Record the clients whose training reply was an error: no update, nothing to attack."""
+        produced = []
+        for node_id, why in failures:
+            member = ClientUpdate(identity=ClientIdentity(node_id=node_id), arrays=None, error=why)
+            produced.append(self._keep(self._failed(server_round, [member], f"no update: {why}", None)))
+        return produced
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued attack has finished (a no-op without workers)."""
+        return True if self.pool is None else self.pool.drain(timeout)
+
+    def _make_runner(self) -> AttackRunner:
+        if self.backend == "ray":
+            from .ray_runner import RayAttackRunner
+
+            return RayAttackRunner(
+                self.attacker, address=self.ray_address, num_cpus=self.attack_cpus, num_gpus=self.attack_gpus
+            )
+        return make_runner(self.attacker, self.isolation)
+
+    def _pool_runner(self) -> AttackRunner:
+        runner = getattr(self._thread_runner, "value", None)
+        if runner is None:
+            runner = self._make_runner()
+            self._thread_runner.value = runner
+            with self._store_lock:
+                self._runners.append(runner)
+        return runner
+
+    def _pool_job(self, prepared: Prepared, queued_at: float) -> None:
+        try:
+            record = self._run_job(prepared, queued_at, runner=self._pool_runner())
+        except Exception as error:  # never lose an attack to a bug: record it
+            record = self._failed(
+                prepared.server_round,
+                prepared.members,
+                f"audit failed: {type(error).__name__}: {error}",
+                None,
+            )
+        self._keep(record)
+
+    def _dropped_job(self, prepared: Prepared, queued_at: float) -> None:
+        assert self.layer is not None
+        self._keep(
+            AttackRecord(
+                server_round=prepared.server_round,
+                client=unit_name(prepared.members),
+                status=STATUS_DROPPED,
+                seconds=0.0,
+                error=f"the attack queue was full (policy {self.pool.policy if self.pool else '?'})",
+                details=self._details(prepared.members),
+                verdict=VERDICT_DROPPED,
+                verdict_reason="the attack queue was full and its policy dropped this update",
+                input_space=self.layer.input_space,
+                queued_at=queued_at,
+            )
+        )
 
     def select(self, server_round: int, updates: Sequence[ClientUpdate]) -> list[list[ClientUpdate]]:
         """The units attacked this round: single updates, or secure-aggregation groups."""
@@ -191,17 +308,21 @@ class Auditor:
         return [units[index] for index in sorted(chosen)]
 
     def close(self) -> None:
-        """Stop the attack workers."""
-        self.runner.close()
+        """Wait for every queued attack, then stop the attack workers."""
+        if self.pool is not None:
+            self.pool.close()
+        for runner in self._runners:
+            runner.close()
 
     # ------------------------------------------------------------------ one unit
 
-    def _audit_unit(
+    def _prepare(
         self,
         server_round: int,
         members: list[ClientUpdate],
         global_layer: tuple[np.ndarray, np.ndarray],
-    ) -> AttackRecord:
+    ) -> AttackRecord | Prepared:
+        """The observed update of one unit, or the record of why it cannot be attacked."""
         assert self.layer is not None
         deltas: list[LayerDelta] = []
         for member in members:
@@ -213,32 +334,28 @@ class Auditor:
                 )
             except ValueError as error:
                 return self._failed(server_round, members, f"unreadable update: {error}", None)
-        delta = deltas[0]
-        for other in deltas[1:]:
-            delta = delta + other
+        delta = observed_sum(
+            deltas, members, quantization=self.secagg_quantization, seed=(self.seed, server_round)
+        )
         if not (np.isfinite(delta.weight_delta).all() and np.isfinite(delta.bias_delta).all()):
             return self._failed(
                 server_round, members, "unreadable update: it contains NaN or Inf entries", None
             )
-        if self.secagg_quantization is not None and self.secagg_group_size > 1:
-            weight_sum, bias_sum = secagg_observed_sum(
-                [(each.weight_delta, each.bias_delta) for each in deltas],
-                start=(delta.weight, delta.bias),
-                num_examples=[member.num_examples for member in members],
-                settings=self.secagg_quantization,
-                seed=(self.seed, server_round, *(member.identity.node_id for member in members)),
-            )
-            delta = LayerDelta(
-                weight_delta=weight_sum, bias_delta=bias_sum, weight=delta.weight, bias=delta.bias
-            )
+        return Prepared(server_round=server_round, members=members, delta=delta)
 
-        queued_at = time.time()
+    def _run_job(
+        self, prepared: Prepared, queued_at: float, runner: AttackRunner | None = None
+    ) -> AttackRecord:
+        """Attack one prepared unit, judge and score it (in a pool thread when there is a pool)."""
+        assert self.layer is not None
+        server_round, members, delta = prepared.server_round, prepared.members, prepared.delta
         batch_size = None if self.batch_size is None else self.batch_size * len(members)
-        result = self.runner.run(
+        started_at = time.time()
+        result = (runner or self.runner).run(
             delta, batch_size=batch_size, time_budget=self.time_budget, timeout=self.timeout
         )
         finished_at = time.time()
-        summary = _attack_summary(result)
+        summary = attack_summary(result)
         verdict = self._verdict(result, summary, delta, members)
         name = unit_name(members)
         level = logging.INFO if result.status == STATUS_OK else logging.WARNING
@@ -260,12 +377,12 @@ class Auditor:
             "verdict_reason": verdict.reason,
             "input_space": self.layer.input_space,
             "queued_at": queued_at,
-            "started_at": finished_at - result.seconds,
+            "started_at": started_at,
             "finished_at": finished_at,
         }
         if result.status != STATUS_OK:
             return AttackRecord(**record_fields)
-        inputs = np.asarray(_to_numpy(result.reconstruction.inputs), dtype=np.float64)
+        inputs = np.asarray(to_numpy(result.reconstruction.inputs), dtype=np.float64)
         scored, scoring_error = self._score(inputs, members, details)
         if scoring_error is not None:
             record_fields["error"] = scoring_error
@@ -298,7 +415,7 @@ class Auditor:
             input_space=self.layer.input_space if self.layer else None,
             train_mode=modes.pop() if len(modes) == 1 else None,
             time_budget=self.time_budget,
-            num_examples=_total_examples(members),
+            num_examples=total_examples(members),
         )
 
     def _score(
@@ -314,7 +431,7 @@ class Auditor:
             references = [self.scorer.references(truth) for truth in truths if truth is not None]
             scored = self.scorer.score_against(inputs, np.concatenate(references))
             if len(members) > 1 and scored.psnr is not None:
-                details["members"] = _member_quality(members, [len(r) for r in references], scored.psnr)
+                details["members"] = member_quality(members, [len(r) for r in references], scored.psnr)
             return scored, None
         except Exception as failure:  # scoring is the experimenter's side: never stop the run
             error = f"scoring failed: {type(failure).__name__}: {failure}"
@@ -362,59 +479,21 @@ class Auditor:
         )
 
     def _keep(self, record: AttackRecord) -> AttackRecord:
-        """Write a record to the store (a failing store is logged) and remember it."""
-        if self.store is not None:
-            try:
-                self.store.save(record)
-            except Exception as error:  # the FL run goes on; the failure is loud
-                logger.error(
-                    "Could not store the attack on %s in round %s: %s",
-                    record.client,
-                    record.server_round,
-                    error,
-                )
-        self.records.append(record)
+        """Write a record to the store and remember it, without its arrays once stored.
+
+        A store that fails (a full disk) is logged and remembered in :attr:`store_failures`;
+        training goes on, but the run must report the loss (the ServerApp raises at its end).
+        """
+        with self._store_lock:
+            if self.store is not None:
+                try:
+                    self.store.save(record)
+                    record = dataclasses.replace(
+                        record, inputs=None, reconstructed_images=None, reference_images=None
+                    )
+                except Exception as error:  # the FL run goes on; the failure is loud
+                    message = f"round {record.server_round} {record.client}: {type(error).__name__}: {error}"
+                    self.store_failures.append(message)
+                    logger.error("Could not store the attack on %s", message)
+            self.records.append(record)
         return record
-
-
-def unit_name(members: Sequence[ClientUpdate]) -> str:
-    """Name of an attacked update: the client's, or ``secagg-<a>_<b>...`` for a sum."""
-    if len(members) == 1:
-        return members[0].identity.name
-    return "secagg-" + "_".join(member.identity.name for member in members)
-
-
-def _total_examples(members: Sequence[ClientUpdate]) -> int | None:
-    counts = [member.num_examples for member in members]
-    return None if any(count is None for count in counts) else sum(count or 0 for count in counts)
-
-
-def _attack_summary(result: AttackResult) -> dict[str, Any]:
-    reconstruction = result.reconstruction
-    if reconstruction is None or not hasattr(reconstruction, "summary"):
-        return {}
-    return dict(reconstruction.summary())
-
-
-def _member_quality(
-    members: list[ClientUpdate], sizes: list[int], psnr: Sequence[float]
-) -> dict[str, dict[str, Any]]:
-    """Per-client recovery inside a secure-aggregation sum (references were concatenated)."""
-    report: dict[str, dict[str, Any]] = {}
-    start = 0
-    for member, size in zip(members, sizes, strict=True):
-        values = [float(value) for value in psnr[start : start + size]]
-        start += size
-        report[member.identity.name] = {
-            "samples": len(values),
-            "mean_psnr": float(np.mean(values)) if values else None,
-            "exact_fraction": float(np.mean([v > EXACT_PSNR_DB for v in values])) if values else None,
-            "approx_fraction": float(np.mean([v > APPROX_PSNR_DB for v in values])) if values else None,
-        }
-    return report
-
-
-def _to_numpy(values: Any) -> np.ndarray:
-    if hasattr(values, "detach"):
-        return np.asarray(values.detach().cpu().numpy())
-    return np.asarray(values)

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fl_attack.simulate.opacus_keys import OPACUS_PREFIX as OPACUS_PREFIX
+from fl_attack.simulate.opacus_keys import canonical_key as canonical_key
 from fl_attack.vocabulary import INPUT_SPACE_FEATURES, INPUT_SPACE_INPUTS
-
-#: Prefix Opacus' ``GradSampleModule`` adds to every ``state_dict`` key.
-OPACUS_PREFIX = "_module."
 
 #: Named arrays of a model, in the model's order.
 NamedArrays = Mapping[str, np.ndarray]
@@ -22,13 +21,6 @@ NamedArrays = Mapping[str, np.ndarray]
 
 class LayerNotFoundError(ValueError):
     """The requested layer is not among the model's arrays."""
-
-
-def canonical_key(key: str) -> str:
-    """Strip any leading ``_module.`` prefixes added by Opacus wrappers."""
-    while key.startswith(OPACUS_PREFIX):
-        key = key[len(OPACUS_PREFIX) :]
-    return key
 
 
 def canonical_arrays(arrays: NamedArrays) -> dict[str, np.ndarray]:

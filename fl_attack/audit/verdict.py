@@ -103,8 +103,9 @@ def not_applicable_reason(
         )
     if n <= m:
         return (
-            f"the update has full rank on {n} input features: a batch of {n} or more samples, or "
-            "several local steps, cannot be separated by an exact attack on this layer"
+            f"the update has full rank on {n} input features: it is not one gradient of a small batch "
+            f"(a batch of {n} or more samples, several local steps, or DP noise), which an exact attack "
+            "on this layer cannot separate"
         )
     return (
         f"the update has no low-rank structure (rank close to min(m, n) = {min(m, n)}): it is not one "
@@ -173,7 +174,8 @@ def decide_verdict(
             return Verdict(
                 VERDICT_APPROXIMATE,
                 f"all {b} samples found, but the weakest one's ReLU pattern agrees with the update at only "
-                f"{weakest:.4f} (exact needs {EXACT_MIN_CONFIDENCE}): near-identical samples may be blended"
+                f"{weakest:.4f} (exact needs {EXACT_MIN_CONFIDENCE}): exactness is not confirmed (near-identical "
+                "samples may be blended, or the layer's float32 rounding moved a neuron)"
                 + _features_note(input_space),
             )
         if complete and not noisy and not adaptive:

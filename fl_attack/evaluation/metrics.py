@@ -62,16 +62,13 @@ def _as_float64(x: ArrayLike, *, name: str) -> torch.Tensor:
 def _check_same_shape(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.shape != b.shape:
         raise ValueError(
-            f"reconstructed and reference must have the same shape, got {tuple(a.shape)} "
-            f"and {tuple(b.shape)}"
+            f"reconstructed and reference must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     if a.dim() < 2 or a.shape[0] == 0:
         raise ValueError(f"expected a non-empty batch of shape (B, ...), got {tuple(a.shape)}")
 
 
-def psnr(
-    reconstructed: ArrayLike, reference: ArrayLike, *, data_range: float = 1.0
-) -> torch.Tensor:
+def psnr(reconstructed: ArrayLike, reference: ArrayLike, *, data_range: float = 1.0) -> torch.Tensor:
     """Per-sample peak signal-to-noise ratio.
 
     Parameters
@@ -102,10 +99,7 @@ def psnr(
 
 def _pairwise_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a_flat, b_flat = a.flatten(1), b.flatten(1)
-    return (
-        torch.cdist(a_flat, b_flat, compute_mode="donot_use_mm_for_euclid_dist").pow(2)
-        / a_flat.shape[1]
-    )
+    return torch.cdist(a_flat, b_flat, compute_mode="donot_use_mm_for_euclid_dist").pow(2) / a_flat.shape[1]
 
 
 def match_samples(reconstructed: ArrayLike, reference: ArrayLike) -> torch.Tensor:
@@ -128,14 +122,10 @@ def match_samples(reconstructed: ArrayLike, reference: ArrayLike) -> torch.Tenso
     rec = _as_float64(reconstructed, name="reconstructed")
     ref = _as_float64(reference, name="reference")
     if rec.dim() < 2 or ref.dim() < 2:
-        raise ValueError(
-            f"expected batches of shape (B, ...), got {tuple(rec.shape)} and {tuple(ref.shape)}"
-        )
+        raise ValueError(f"expected batches of shape (B, ...), got {tuple(rec.shape)} and {tuple(ref.shape)}")
     rec_n, ref_n = math.prod(rec.shape[1:]), math.prod(ref.shape[1:])
     if rec_n != ref_n:
-        raise ValueError(
-            f"reconstructed samples have {rec_n} entries but reference samples have {ref_n}"
-        )
+        raise ValueError(f"reconstructed samples have {rec_n} entries but reference samples have {ref_n}")
     order = torch.full((ref.shape[0],), -1, dtype=torch.int64)
     if rec.shape[0] == 0 or ref.shape[0] == 0:
         return order
@@ -157,9 +147,7 @@ def _gaussian_window(size: int, sigma: float) -> torch.Tensor:
     return torch.outer(g, g)
 
 
-def ssim(
-    reconstructed: ArrayLike, reference: ArrayLike, *, data_range: float = 1.0
-) -> torch.Tensor:
+def ssim(reconstructed: ArrayLike, reference: ArrayLike, *, data_range: float = 1.0) -> torch.Tensor:
     """Per-sample structural similarity (Wang et al., 2004) of ``(B, C, H, W)`` images.
 
     Uses the standard Gaussian window (11 x 11, sigma 1.5), ``K1 = 0.01``, ``K2 = 0.03`` and
@@ -253,7 +241,7 @@ def lpips_distance(reconstructed: ArrayLike, reference: ArrayLike) -> torch.Tens
     if rec.shape[1] == 1:
         rec, ref = rec.expand(-1, 3, -1, -1), ref.expand(-1, 3, -1, -1)
     with torch.no_grad():
-        dist = model(rec.float() * 2 - 1, ref.float() * 2 - 1)
+        dist: torch.Tensor = model(rec.float() * 2 - 1, ref.float() * 2 - 1)
     return dist.flatten().to(torch.float64)
 
 
@@ -326,9 +314,7 @@ def _to_images(
     if denormalize is not None:
         x = torch.as_tensor(denormalize(flat)).detach().to(device="cpu", dtype=torch.float64)
         if x.shape[0] != flat.shape[0] or math.prod(x.shape[1:]) != flat.shape[1]:
-            raise ValueError(
-                f"denormalize changed the batch from {tuple(flat.shape)} to {tuple(x.shape)}"
-            )
+            raise ValueError(f"denormalize changed the batch from {tuple(flat.shape)} to {tuple(x.shape)}")
     if image_shape is not None:
         x = x.reshape(x.shape[0], *image_shape)
     return x
@@ -373,8 +359,7 @@ def evaluate_reconstruction(
         raise ValueError("reference_flat must contain at least one sample")
     if rec.shape[0] > 0 and rec.shape[1] != ref.shape[1]:
         raise ValueError(
-            f"reconstructed samples have n={rec.shape[1]} entries but reference samples have "
-            f"n={ref.shape[1]}"
+            f"reconstructed samples have n={rec.shape[1]} entries but reference samples have n={ref.shape[1]}"
         )
     if image_shape is not None:
         image_shape = tuple(int(s) for s in image_shape)

@@ -1,4 +1,12 @@
-"""Local training of one client: FedSGD, FedAvg or DP-SGD (Opacus)."""
+"""Local training of one Flower client over its dataset indices: FedSGD, FedAvg or DP-SGD (Opacus).
+
+FedSGD and FedAvg step through :func:`fl_attack.simulate.local_sgd.sgd_steps`, the same loop
+as :func:`fl_attack.simulate.victims.fedavg_update`; they differ from it only in drawing
+their batches from a numpy generator over the client's indices. DP-SGD runs Opacus' own
+engine (Poisson sampling, noise on every parameter), which
+:func:`fl_attack.simulate.victims.dp_sgd_gradient` reproduces for one step of the first
+layer only.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +19,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-#: Prefix Opacus' ``GradSampleModule`` adds to every ``state_dict`` key.
-OPACUS_PREFIX = "_module."
+from .local_sgd import sgd_steps
+from .opacus_keys import OPACUS_PREFIX, canonical_key
+
+__all__ = [
+    "OPACUS_PREFIX",
+    "TrainOutcome",
+    "evaluate_model",
+    "strip_opacus_prefix",
+    "train_dpsgd",
+    "train_fedavg",
+    "train_fedsgd",
+]
 
 
 @dataclass(frozen=True)
@@ -41,14 +59,12 @@ class TrainOutcome:
 
 
 def strip_opacus_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Remove Opacus' ``_module.`` prefixes so keys match the unwrapped model."""
-    stripped: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        name = key
-        while name.startswith(OPACUS_PREFIX):
-            name = name[len(OPACUS_PREFIX) :]
-        stripped[name] = value.detach().clone()
-    return stripped
+    """Remove Opacus' ``_module.`` prefixes so keys match the unwrapped model.
+
+    Keys are stripped by :func:`fl_attack.simulate.opacus_keys.canonical_key`, the same rule
+    the server applies; the values are detached copies.
+    """
+    return {canonical_key(key): value.detach().clone() for key, value in state_dict.items()}
 
 
 def _loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -88,17 +104,13 @@ def train_fedsgd(
     """
     chosen = rng.choice(indices, size=min(batch_size, len(indices)), replace=False)
     batch = torch.as_tensor(chosen, dtype=torch.long)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    loss = _loss(model, images[batch], labels[batch])
-    loss.backward()
-    optimizer.step()
+    (loss,) = sgd_steps(model, images, labels, batches=[batch], lr=lr)
     return TrainOutcome(
         state_dict=strip_opacus_prefix(model.state_dict()),
         num_examples=len(chosen),
         sample_indices=[int(index) for index in chosen],
-        loss=float(loss.detach()),
+        loss=loss,
         steps=1,
     )
 
@@ -137,21 +149,16 @@ def train_fedavg(
     -------
     TrainOutcome
     """
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    model.train()
-    losses: list[float] = []
+    batches: list[torch.Tensor] = []
     used: dict[int, None] = {}
     for _ in range(epochs):
         order = rng.permutation(indices)
         for start in range(0, len(order), mini_batch_size):
             chunk = order[start : start + mini_batch_size]
-            batch = torch.as_tensor(chunk, dtype=torch.long)
-            optimizer.zero_grad(set_to_none=True)
-            loss = _loss(model, images[batch], labels[batch])
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
+            batches.append(torch.as_tensor(chunk, dtype=torch.long))
             used.update(dict.fromkeys(int(index) for index in chunk))
+    model.train()
+    losses = sgd_steps(model, images, labels, batches=batches, lr=lr)
     return TrainOutcome(
         state_dict=strip_opacus_prefix(model.state_dict()),
         num_examples=len(indices),
@@ -248,7 +255,7 @@ def train_dpsgd(
                 else:
                     # An empty Poisson batch: the step is pure noise.
                     loss = private_model(inputs).sum()
-                loss.backward()
+                torch.autograd.backward(loss)
                 private_optimizer.step()
                 steps += 1
     state = strip_opacus_prefix(private_model.state_dict())

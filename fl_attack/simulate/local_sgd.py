@@ -1,0 +1,67 @@
+"""Plain SGD steps on a client's model: the one update loop of FedSGD and FedAvg.
+
+Both the victim updates (:func:`fl_attack.simulate.victims.fedavg_update`) and the Flower
+client's training (:func:`fl_attack.simulate.training.train_fedavg`) step through this loop;
+they differ only in how they choose the mini-batches, which the caller passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .gradients import LOSSES, LossFn
+
+__all__ = ["sgd_steps"]
+
+
+def sgd_steps(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    batches: Iterable[torch.Tensor],
+    lr: float,
+    loss_fn: LossFn = LOSSES["ce"],
+) -> list[float]:
+    """Train ``model`` in place with one plain SGD step per mini-batch.
+
+    Each step takes the gradient of ``loss_fn`` (default: mean cross-entropy) on
+    ``inputs[batch]`` and ``labels[batch]`` and moves every trainable parameter by
+    ``-lr * gradient``: the same update as ``torch.optim.SGD(lr=lr)`` without momentum or
+    weight decay, including that a parameter the loss does not reach is left alone, but
+    without building an optimizer (whose construction alone costs seconds on first use,
+    as it imports ``torch._dynamo``). The model's train/eval mode is left as it is.
+
+    Parameters
+    ----------
+    model
+        The model to train; its parameters change in place, its ``.grad`` are not touched.
+    inputs, labels
+        All samples the batches index into, ``(N, ...)`` and ``(N,)``.
+    batches
+        Index tensors into ``inputs``, one per step, in order.
+    lr
+        Learning rate.
+    loss_fn
+        ``(logits, labels) -> scalar`` loss.
+
+    Returns
+    -------
+    list[float]
+        The loss of every step, taken before that step's update.
+    """
+    params = [param for param in model.parameters() if param.requires_grad]
+    losses: list[float] = []
+    with torch.enable_grad():
+        for batch in batches:
+            value = loss_fn(model(inputs[batch]), labels[batch])
+            grads = torch.autograd.grad(value, params, allow_unused=True)
+            with torch.no_grad():
+                for param, grad in zip(params, grads, strict=True):
+                    if grad is not None:
+                        param.add_(grad, alpha=-lr)
+            losses.append(float(value.detach()))
+    return losses
