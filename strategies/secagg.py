@@ -229,7 +229,7 @@ class AuditedLegacyStrategy(LegacyStrategy):
         return f"AuditedLegacyStrategy({self.strategy!r})"
 
     def close(self) -> None:
-        """Stop the attack workers."""
+        """Wait for every queued attack to finish, then stop the attack workers."""
         self.auditor.close()
 
     def named_arrays(self, parameters: Parameters) -> dict[str, np.ndarray]:
