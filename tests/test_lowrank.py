@@ -184,3 +184,39 @@ def test_decompose_orientation_does_not_matter() -> None:
     assert torch.allclose(
         wide.left @ wide.right, (tall.left @ tall.right).T, atol=1e-10 * float(wide.singular_values[0])
     )
+
+
+@pytest.mark.parametrize(("name", "batch"), [("photo-patches", 12), ("photo-patches", 40)])
+def test_large_layers_take_the_same_factors_without_a_full_svd(
+    monkeypatch: pytest.MonkeyPatch, name: str, batch: int
+) -> None:
+    """Subspace iteration (used on large layers) gives the full SVD's rank-b factors to float64 precision."""
+    import fl_attack.pipeline.decompose as decomposition
+
+    weight_grad, _, _ = _gradient(name, batch, 300, 0)
+    full = decompose(weight_grad.double())
+    calls: list[int] = []
+    real_svd = torch.linalg.svd
+    monkeypatch.setattr(
+        decomposition.torch.linalg, "svd", lambda a, **kw: calls.append(min(a.shape)) or real_svd(a, **kw)
+    )
+    monkeypatch.setattr(decomposition, "LARGE_SIDE", 100)
+    fast = decompose(weight_grad.double())
+    assert calls and max(calls) <= batch + decomposition.SUBSPACE_OVERSAMPLE  # no SVD of the whole layer
+    assert fast.batch_size == full.batch_size == batch
+    low_rank = full.left @ full.right
+    assert float((fast.left @ fast.right - low_rank).norm() / low_rank.norm()) < 1e-12
+    assert float(torch.linalg.svdvals(fast.left.T @ full.left).min()) > 1 - 1e-12
+
+
+def test_large_noisy_layers_fall_back_to_the_full_svd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a clean gap subspace iteration would not converge: the full SVD's vectors are used."""
+    import fl_attack.pipeline.decompose as decomposition
+
+    weight_grad, output_grad, _ = _gradient("photo-patches", 12, 300, 0)
+    sigma = 0.5 * median_abs_entry(weight_grad)
+    noisy, _ = noisy_gradient(weight_grad, output_grad.sum(1), sigma=sigma, seed=0)
+    expected = decompose(torch.as_tensor(noisy).double(), batch_size=12)
+    monkeypatch.setattr(decomposition, "LARGE_SIDE", 100)
+    got = decompose(torch.as_tensor(noisy).double(), batch_size=12)
+    assert torch.equal(got.left, expected.left) and torch.equal(got.right, expected.right)
