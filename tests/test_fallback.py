@@ -73,7 +73,7 @@ def test_an_adam_update_gets_a_second_row_from_the_cocktail_party(tmp_path: Path
     assert second.client == primary.client == "partition-0" and second.server_round == 1
     assert second.status == "ok" and second.verdict == "approximate"
     assert second.attack["attack"] == "cocktail-party" and second.attack["complete"] is False
-    assert second.attack["batch_size"] == 6  # the client's reported example count
+    assert second.attack["batch_size"] == 6  # the exact attack's estimate (else the client's count)
     assert "cocktail-party fallback after the exact attack's verdict not-applicable" in second.verdict_reason
     assert second.details["fallback_after"] == {"attack": "spear++", "verdict": "not-applicable"}
     assert second.quality["kind"] == "images" and len(second.psnr) == 6  # the same scorer, PSNR per sample
