@@ -81,4 +81,5 @@ def build_auditor(
         attack_cpus=float(config["attack-cpus"]),
         attack_gpus=float(config["attack-gpus"]),
         progress=True,
+        fallback=str(config["attack-fallback"]),
     )

@@ -136,6 +136,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("attack-enabled", True, "run the audit at all", "audit"),
     Setting("attack-name", "spear++", "registered attack (fl_attack.available_attacks())", "audit"),
+    Setting(
+        "attack-fallback",
+        "cocktail-party",
+        'approximate attack run on updates not recovered exactly ("" or "none": off)',
+        "audit",
+    ),
     Setting("attack-fraction", 1.0, "fraction of updates attacked each round", "audit", minimum=0, maximum=1),
     Setting("attack-partitions", "", 'attack only these partition ids, e.g. "0,2"', "audit"),
     Setting("attack-time-budget", 30.0, "seconds each attack may spend", "audit", positive=True),

@@ -289,7 +289,7 @@ def _simulate(tmp_path: Path, overrides: dict, client_app=None) -> list[dict[str
             "init_args": {"num_cpus": 2, "num_gpus": 0},
         },
     )
-    rows = load_table(output / "attacks.csv")
+    rows = [row for row in load_table(output / "attacks.csv") if row["attack"] != "cocktail-party"]
     assert sorted(row["client"] for row in rows) == ["partition-0", "partition-1"]
     for row in rows:
         assert row["status"] == "ok", row

@@ -25,10 +25,18 @@ QUICK = {
 
 
 def _audit(name: str, output: Path, **overrides: Any) -> list[dict[str, Any]]:
-    """Run an example; every stored attack's table row joined with its metrics.json."""
+    """Run an example; the exact attack's stored table rows joined with their metrics.json."""
     run_example(name, {**QUICK, **overrides, "output-dir": str(output)})
-    rows = load_table(output / "attacks.csv")
+    rows = _rows(output)
     assert rows, f"{name} stored no attack"
+    return rows
+
+
+def _rows(output: Path, *, fallback: bool = False) -> list[dict[str, Any]]:
+    """The exact attack's rows, or with ``fallback`` those of the approximate fallback (cocktail-party)."""
+    rows = [
+        row for row in load_table(output / "attacks.csv") if (row["attack"] == "cocktail-party") == fallback
+    ]
     return [{**row, **json.loads((output / row["directory"] / "metrics.json").read_text())} for row in rows]
 
 
@@ -88,13 +96,15 @@ def test_tabular_sgd_one_step_is_exact(tmp_path: Path) -> None:
 
 def test_tabular_adam_is_not_applicable_and_says_why(tmp_path: Path) -> None:
     # the verdict needs no search: a short budget keeps the run short
-    records = _audit(
-        "tabular", tmp_path / "run", optimizer="adam", lr=0.001, seed=0, **{"attack-time-budget": 5.0}
-    )
+    options: dict[str, Any] = {"optimizer": "adam", "lr": 0.001, "seed": 0, "attack-time-budget": 5.0}
+    records = _audit("tabular", tmp_path / "run", **options)
     assert len(records) == 2
     for record in records:
         assert record["verdict"] == "not-applicable", record["verdict_reason"]
         assert "Adam" in record["verdict_reason"] or "adaptive" in record["verdict_reason"]
+    approximate = _rows(tmp_path / "run", fallback=True)  # the Cocktail Party fallback on the same updates
+    assert [record["verdict"] for record in approximate] == ["approximate", "approximate"]
+    assert all(record["quality"]["kind"] == "tabular" for record in approximate)
 
 
 def test_opacus_clipping_only_is_exact_noise_is_not(tmp_path: Path) -> None:

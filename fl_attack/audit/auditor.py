@@ -24,6 +24,7 @@ from fl_attack.results.store import AttackRecord, ReconstructionStore
 from fl_attack.simulate.secagg import SecAggPlusQuantization
 from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
 
+from .fallback import build_fallback
 from .layer import LayerDelta, LayerKeys, NamedArrays, layer_delta, layer_parameters, select_layer
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
@@ -91,6 +92,8 @@ class Auditor:
         Ray resources of one attack.
     progress : bool (default: False)
         Show the queue's progress on stderr.
+    fallback : str or Attacker or None (default: None)
+        Approximate second attack on updates not recovered exactly (:mod:`fl_attack.audit.fallback`).
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class Auditor:
         attack_cpus: float = 1.0,
         attack_gpus: float = 0.0,
         progress: bool = False,
+        fallback: str | Attacker | None = None,
     ) -> None:
         if not 0.0 <= attack_fraction <= 1.0:
             raise ValueError(f"attack_fraction must be in [0, 1], got {attack_fraction}")
@@ -144,6 +148,7 @@ class Auditor:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
         self.attacker = attacker
+        self.fallback = build_fallback(fallback, seed=seed, time_budget=time_budget)
         self.isolation = isolation
         self.backend = backend
         self.ray_address = ray_address
@@ -218,6 +223,7 @@ class Auditor:
                 produced.append(self._keep(prepared))
             elif self.pool is None:
                 produced.append(self._keep(self._run_job(prepared, time.time())))
+                produced.extend(self.fallback.run(self, prepared, produced[-1]))
             else:
                 self.pool.submit(
                     unit_name(members),
@@ -266,7 +272,7 @@ class Auditor:
                 f"audit failed: {type(error).__name__}: {error}",
                 None,
             )
-        self._keep(record)
+        self.fallback.run(self, prepared, self._keep(record))
 
     def _dropped_job(self, prepared: Prepared, queued_at: float) -> None:
         assert self.layer is not None
@@ -355,7 +361,7 @@ class Auditor:
             delta, batch_size=batch_size, time_budget=self.time_budget, timeout=self.timeout
         )
         finished_at = time.time()
-        summary = attack_summary(result)
+        summary = {"attack": getattr(self.attacker, "name", None), **attack_summary(result)}
         verdict = self._verdict(result, summary, delta, members)
         name = unit_name(members)
         level = logging.INFO if result.status == STATUS_OK else logging.WARNING

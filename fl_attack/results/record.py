@@ -36,6 +36,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "queued_at",
     "started_at",
     "finished_at",
+    "attack",
 )
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -195,6 +196,7 @@ class AttackRecord:
             "queued_at": _unix_time(self.queued_at),
             "started_at": _unix_time(self.started_at),
             "finished_at": _unix_time(self.finished_at),
+            "attack": self.attack.get("attack"),
         }
         return {key: "" if value is None else value for key, value in row.items()}
 

@@ -1,0 +1,148 @@
+"""The approximate fallback: a second attack (Cocktail Party) on every update not recovered exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fl_attack import SpearPlusPlus
+from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
+from fl_attack.audit.fallback import build_fallback, fallback_verdict
+from fl_attack.audit.workers import AttackResult
+from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.results.store import ReconstructionStore, load_table
+from strategies.factory import build_auditor
+from tests.synthetic_layer import relu_layer_update
+
+IMAGE_SHAPE = (3, 4, 4)  # n = 48 inputs, scored as tiny images
+
+
+def _scorer(inputs: torch.Tensor) -> ReconstructionScorer:
+    return ReconstructionScorer(inputs, denormalize=lambda rows: rows, image_shape=IMAGE_SHAPE)
+
+
+def _update(
+    *, b: int, width: int, adam: bool = False, seed: int = 0
+) -> tuple[dict[str, np.ndarray], ClientUpdate, torch.Tensor]:
+    """The global layer and one client's FedSGD (or first Adam) step on ``b`` inputs in [0, 1]."""
+    generator = torch.Generator().manual_seed(100 + seed)
+    inputs = torch.rand(b, int(np.prod(IMAGE_SHAPE)), generator=generator, dtype=torch.float64)
+    layer = relu_layer_update(inputs, width=width, seed=seed)
+    weight_step, bias_step = layer.weight_grad, layer.bias_grad
+    if adam:  # Adam's first step is lr * sign(gradient), whatever the gradient's magnitudes
+        weight_step, bias_step = weight_step.sign(), bias_step.sign()
+    global_arrays = {"fc.weight": layer.weight.numpy(), "fc.bias": layer.bias.numpy()}
+    sent = {
+        "fc.weight": (layer.weight - 0.01 * weight_step).numpy(),
+        "fc.bias": (layer.bias - 0.01 * bias_step).numpy(),
+    }
+    update = ClientUpdate(
+        ClientIdentity(node_id=7, partition_id=0),
+        sent,
+        ground_truth=GroundTruth(inputs=inputs.numpy()),
+        num_examples=b,
+    )
+    return global_arrays, update, inputs
+
+
+def _audit(auditor: Auditor, global_arrays: dict[str, np.ndarray], update: ClientUpdate) -> list[Any]:
+    auditor.start_round(1, global_arrays)
+    auditor.audit_round(1, [update])
+    auditor.close()
+    return list(auditor.records)
+
+
+def _auditor(inputs: torch.Tensor, tmp_path: Path, **options: Any) -> Auditor:
+    return Auditor(
+        SpearPlusPlus(seed=0, progress=False),
+        store=ReconstructionStore.create(tmp_path / "run"),
+        scorer=_scorer(inputs),
+        **{"isolation": "thread", "time_budget": 10.0, **options},
+    )
+
+
+def test_an_adam_update_gets_a_second_row_from_the_cocktail_party(tmp_path: Path) -> None:
+    global_arrays, update, inputs = _update(b=6, width=200, adam=True)
+    auditor = _auditor(inputs, tmp_path, fallback="cocktail-party")
+    primary, second = _audit(auditor, global_arrays, update)
+    assert primary.verdict == "not-applicable" and "Adam" in primary.verdict_reason
+    assert second.client == primary.client == "partition-0" and second.server_round == 1
+    assert second.status == "ok" and second.verdict == "approximate"
+    assert second.attack["attack"] == "cocktail-party" and second.attack["complete"] is False
+    assert second.attack["batch_size"] == 6  # the exact attack's estimate (else the client's count)
+    assert "cocktail-party fallback after the exact attack's verdict not-applicable" in second.verdict_reason
+    assert second.details["fallback_after"] == {"attack": "spear++", "verdict": "not-applicable"}
+    assert second.quality["kind"] == "images" and len(second.psnr) == 6  # the same scorer, PSNR per sample
+    rows = load_table(auditor.store.table_path)  # type: ignore[union-attr]
+    assert [(row["attack"], row["verdict"]) for row in rows] == [
+        ("spear++", "not-applicable"),
+        ("cocktail-party", "approximate"),
+    ]
+    assert rows[1]["mean_psnr"] != "" and rows[1]["directory"] == "round-001/partition-0-dup2"
+
+
+def test_a_batch_close_to_the_width_gets_an_approximate_fallback(tmp_path: Path) -> None:
+    global_arrays, update, inputs = _update(b=18, width=20, seed=1)
+    auditor = _auditor(inputs, tmp_path, fallback="cocktail-party", time_budget=3.0)
+    records = _audit(auditor, global_arrays, update)
+    assert records[0].verdict != "exact", records[0].verdict_reason
+    assert len(records) == 2
+    assert records[1].attack["attack"] == "cocktail-party" and records[1].verdict == "approximate"
+    assert records[1].attack["batch_size"] == 18 and len(records[1].psnr) == 18
+
+
+def test_an_exact_recovery_gets_no_fallback(tmp_path: Path) -> None:
+    global_arrays, update, inputs = _update(b=6, width=200)
+    auditor = _auditor(inputs, tmp_path, fallback="cocktail-party")
+    records = _audit(auditor, global_arrays, update)
+    assert [record.verdict for record in records] == ["exact"]
+    assert [row["attack"] for row in load_table(auditor.store.table_path)] == ["spear++"]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("off", ["", "none", None])
+def test_no_fallback_when_disabled(off: str | None, tmp_path: Path) -> None:
+    global_arrays, update, inputs = _update(b=6, width=200, adam=True)
+    records = _audit(_auditor(inputs, tmp_path, fallback=off), global_arrays, update)
+    assert [record.verdict for record in records] == ["not-applicable"]
+
+
+def test_the_fallback_runs_in_the_pool_worker_and_drain_waits_for_it(tmp_path: Path) -> None:
+    global_arrays, update, inputs = _update(b=6, width=200, adam=True)
+    auditor = _auditor(inputs, tmp_path, fallback="cocktail-party", workers=1)
+    auditor.start_round(1, global_arrays)
+    assert auditor.audit_round(1, [update]) == []  # queued: the round does not wait
+    assert auditor.drain(timeout=120.0)
+    assert [record.attack.get("attack") for record in auditor.records] == ["spear++", "cocktail-party"]
+    auditor.close()
+
+
+def test_a_zero_update_gets_no_fallback(tmp_path: Path) -> None:
+    global_arrays, update, inputs = _update(b=6, width=200)
+    unchanged = ClientUpdate(update.identity, dict(global_arrays), num_examples=6)
+    records = _audit(_auditor(inputs, tmp_path, fallback="cocktail-party"), global_arrays, unchanged)
+    assert len(records) == 1 and records[0].verdict != "exact"
+
+
+def test_the_run_config_key_reaches_the_auditor() -> None:
+    fallback = build_auditor({}, store=None, attacker=SpearPlusPlus(progress=False)).fallback
+    assert fallback.name == "cocktail-party" and fallback.attacker is not None
+    off = build_auditor({"attack-fallback": ""}, store=None, attacker=SpearPlusPlus(progress=False))
+    assert off.fallback.attacker is None
+    with pytest.raises(ValueError, match="unknown attack 'ica'; available: .*cocktail-party"):
+        build_auditor({"attack-fallback": "ica"}, store=None, attacker=SpearPlusPlus(progress=False))
+
+
+def test_the_fallback_verdict_is_never_exact() -> None:
+    failed = AttackResult(status="timeout", reconstruction=None, seconds=9.0, error="did not finish")
+    verdict, reason = fallback_verdict("cocktail-party", failed, {}, primary_verdict="timeout")
+    assert verdict == "failed"
+    assert (
+        reason
+        == "the cocktail-party fallback (after the exact attack's verdict timeout) failed: did not finish"
+    )
+    with pytest.raises(ValueError, match="fallback must be an attack name"):
+        build_fallback(42)  # type: ignore[arg-type]
