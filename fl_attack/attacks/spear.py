@@ -17,6 +17,7 @@ from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std
+from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, select
@@ -65,6 +66,7 @@ class _SearchState:
     active: torch.Tensor
     noisy: bool
     grace: float = 0.0
+    head: HeadPrior | None = None
 
 
 class GradientInversionAttack(ABC):
@@ -144,6 +146,7 @@ class GradientInversionAttack(ABC):
         batch_size: int | None = None,
         time_budget: float | None = None,
         noise_level: float | None = None,
+        head_weight: ArrayLike | None = None,
     ) -> Reconstruction:
         """Recover the inputs of the batch that produced a first-layer update.
 
@@ -162,6 +165,11 @@ class GradientInversionAttack(ABC):
             Overrides the attack's time budget for this call.
         noise_level
             Overrides the attack's known relative noise level for this call.
+        head_weight
+            ``(c, m)`` global weight of the output layer that the attacked layer's ReLU feeds
+            directly (one-hidden-layer models). Adds proposals guided by its class structure
+            (:mod:`fl_attack.pipeline.head_structure`); they pass the same exact filters, so a
+            weight that does not fit only costs time.
 
         Returns
         -------
@@ -172,8 +180,11 @@ class GradientInversionAttack(ABC):
         Raises
         ------
         ValueError
-            On malformed input (shapes, NaN/Inf, all-zero gradient) or a batch size that no
-            exact attack can invert (``b >= min(m, n)``).
+            On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` that is not
+            ``(c, m)`` with ``c >= 2``) or a batch size that no exact attack can invert
+            (``b >= min(m, n)``).
+        TypeError
+            If ``head_weight`` is not a real numpy array or torch tensor.
         """
         start = time.perf_counter()
         check_time_budget(time_budget)
@@ -228,6 +239,7 @@ class GradientInversionAttack(ABC):
             active=active,
             noisy=noisy,
             grace=min(PRUNE_GRACE, 0.1 * budget) if budget is not None else math.inf,
+            head=None if head_weight is None else HeadPrior.from_head_weight(head_weight, width=m, rows=active),
         )
         selection = self._run(state, scorer)
         stats.update(
@@ -261,11 +273,17 @@ class GradientInversionAttack(ABC):
         rounds = 0
         stale = 0
         show = self.progress
+        head: HeadRounds | None = None
         bar = tqdm(total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None,
                    leave=False)
         try:
             proposals_iter = iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)]) \
                 if b == 1 else self._proposals(state)
+            if state.head is not None and b > 1:
+                head = HeadRounds(state.factors, state.head, tolerance=state.pool.tolerance,
+                                  min_zeros=state.pool.weak_min_zeros, generator=state.generator,
+                                  deadline=state.deadline, noisy=state.noisy)
+                proposals_iter = interleave_head_rounds(proposals_iter, head, pool=state.pool)
             for proposals in proposals_iter:
                 rounds += 1
                 new = state.pool.add(proposals)
@@ -300,6 +318,8 @@ class GradientInversionAttack(ABC):
         finally:
             bar.close()
         state.stats["rounds"] = rounds
+        if head is not None:
+            state.stats.update(head_searches=head.searches, head_initializations=head.initializations)
         if best is None:
             best = self._select(state, scorer)
         if state.noisy and b > 1:
@@ -536,8 +556,10 @@ class SpearPlusPlus(GradientInversionAttack):
             else:
                 rows = min(m, max(b - 1, int(self.polish_fraction * m)))
                 estimate = least_squares_kernel(state.factors, minima, rows=rows)
-                # without exact zeros, rounding to b - 1 rows would only amplify the noise
-                yield estimate if state.noisy else kernel_of_smallest(state.factors, estimate, rows=b - 1)
+                # without exact zeros, rounding to b - 1 rows would only amplify the noise; the
+                # estimate is kept beside its rounding (see HeadRounds.propose: rank-deficient rows)
+                yield estimate if state.noisy else torch.cat([estimate, kernel_of_smallest(state.factors, estimate,
+                                                                                           rows=b - 1)])
             if time.perf_counter() > state.deadline:
                 return
 
