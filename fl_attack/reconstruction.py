@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fl_attack.pipeline.self_check import SelfCheck
 
 
 @dataclass(frozen=True)
@@ -28,19 +31,25 @@ class Reconstruction:
         (SPEAR Def. 4.1); 1.0 means the ReLU pattern implied by ``inputs`` agrees everywhere
         with the zero pattern of the observed gradient.
     complete
-        True when ``batch_size`` independent sparse directions were found and, on a clean
-        gradient, every sample's ReLU pattern agrees with the gradient (confidence >= the
+        True when ``batch_size`` independent sparse directions were found, their ReLU
+        patterns agree with the gradient and the attack's own self-check passed (see
+        ``self_check``). On a clean gradient every sample must agree (confidence >= the
         attack's ``accept_matching``). On a noisy gradient (DP noise) agreement cannot be
-        exact: ``complete`` says that all directions were found and that their mean matching
-        is well above chance (``fl_attack.attacks.spear.NOISY_COMPLETE_MATCHING``); below it the
-        measured reconstructions were noise.
+        exact: ``complete`` says that all directions were found, that their mean matching
+        is well above chance (``fl_attack.attacks.spear.NOISY_COMPLETE_MATCHING``; below it the
+        measured reconstructions were noise) and that the self-check passed up to the noise.
     confidence
         ``(batch_size,)`` float64 tensor: per-sample sparsity-matching coefficient, 0 for
         placeholder rows. Near 1 means the sample is consistent with the observed update.
     seconds
         Wall-clock time of the attack.
     stats
-        Diagnostics: initializations used, candidates, restarts, noise estimate, ...
+        Diagnostics: initializations used, candidates, restarts, noise estimate, the time
+        budget and whether it ran out, the self-check's figures, ...
+    self_check
+        The attack's check of its own result against the observed update alone
+        (:class:`fl_attack.pipeline.self_check.SelfCheck`), or None for attacks that make none;
+        ``complete`` is never True when it failed.
     """
 
     inputs: torch.Tensor
@@ -50,6 +59,14 @@ class Reconstruction:
     confidence: torch.Tensor
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+    self_check: SelfCheck | None = None
+
+    def __post_init__(self) -> None:
+        if self.complete and self.self_check is not None and not self.self_check.passed:
+            raise ValueError(
+                "a reconstruction whose self-check failed cannot be complete: "
+                + "; ".join(self.self_check.reasons)
+            )
 
     @property
     def found(self) -> int:

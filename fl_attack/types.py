@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 import torch
 
 from fl_attack.validation import resolve_device
 
-ArrayLike = Union[np.ndarray, torch.Tensor]
+ArrayLike = np.ndarray | torch.Tensor
 
 __all__ = ["ArrayLike", "ObservedUpdate", "resolve_device"]
+
+
+def _unit_roundoff(*values: ArrayLike) -> float:
+    """``eps`` of the precision the arrays were computed in: that of the narrowest float dtype
+    among them, and float32's when float64 arrays hold only float32 values (an update that a
+    server differenced in float64 from a float32 model)."""
+    eps = torch.finfo(torch.float64).eps
+    for value in values:
+        tensor = torch.from_numpy(np.asarray(value)) if isinstance(value, np.ndarray) else value
+        if not tensor.is_floating_point():
+            continue
+        if tensor.dtype == torch.float64:
+            tensor = tensor.detach()
+            finite = tensor[torch.isfinite(tensor)]
+            if finite.numel() and bool((finite.float().double() == finite).all()):
+                eps = max(eps, torch.finfo(torch.float32).eps)
+        else:
+            eps = max(eps, torch.finfo(tensor.dtype).eps)
+    return float(eps)
 
 
 def _as_tensor(value: ArrayLike, *, name: str, device: torch.device) -> torch.Tensor:
@@ -46,12 +64,16 @@ class ObservedUpdate:
         ``(m, n)`` and ``(m,)`` float64 tensors on the attack device.
     weight, bias
         ``(m, n)`` and ``(m,)`` float64 layer parameters at which the update was computed.
+    unit_roundoff
+        ``eps`` of the precision the update and weights were computed in (float32's for
+        float64 arrays holding float32 values), for the rounding floor of the spectrum.
     """
 
     weight_grad: torch.Tensor
     bias_grad: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
+    unit_roundoff: float = float(torch.finfo(torch.float64).eps)
 
     @property
     def width(self) -> int:
@@ -72,7 +94,7 @@ class ObservedUpdate:
         weight: ArrayLike,
         bias: ArrayLike,
         device: torch.device,
-    ) -> "ObservedUpdate":
+    ) -> ObservedUpdate:
         """Validate shapes and values and convert everything to float64 on ``device``.
 
         Raises
@@ -87,7 +109,9 @@ class ObservedUpdate:
         weight_t = _as_tensor(weight, name="weight", device=device)
         bias_t = _as_tensor(bias, name="bias", device=device)
         if weight_grad_t.ndim != 2:
-            raise ValueError(f"weight_grad must be a 2-D (m, n) matrix, got shape {tuple(weight_grad_t.shape)}")
+            raise ValueError(
+                f"weight_grad must be a 2-D (m, n) matrix, got shape {tuple(weight_grad_t.shape)}"
+            )
         m, n = weight_grad_t.shape
         if bias_grad_t.shape != (m,):
             raise ValueError(
@@ -108,4 +132,4 @@ class ObservedUpdate:
             raise ValueError(
                 "bias_grad is all zeros: the scale of the recovered inputs cannot be fixed (SPEAR Thm. 3.5)"
             )
-        return cls(weight_grad_t, bias_grad_t, weight_t, bias_t)
+        return cls(weight_grad_t, bias_grad_t, weight_t, bias_t, _unit_roundoff(weight_grad, weight))

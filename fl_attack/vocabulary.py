@@ -51,8 +51,7 @@ VERDICT_MEANINGS: dict[str, str] = {
         "steps, an adaptive optimizer, heavy noise, or a batch larger than the layer can separate)"
     ),
     VERDICT_FAILED: (
-        "the attack applies to this update but did not recover the batch, or crashed; "
-        "the reason says which"
+        "the attack applies to this update but did not recover the batch, or crashed; the reason says which"
     ),
     VERDICT_TIMEOUT: "the attack spent its whole time budget before it could finish",
     VERDICT_DROPPED: "the attack was never run because its queue was full",

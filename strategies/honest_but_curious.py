@@ -79,10 +79,18 @@ class HonestButCuriousStrategy(Strategy):
         """
         from .factory import build_auditor
 
-        objects = {key: overrides.pop(key) for key in ("scorer", "attacker") if key in overrides}
+        objects: dict[str, Any] = {
+            key: overrides.pop(key) for key in ("scorer", "attacker") if key in overrides
+        }
         if not isinstance(strategy, Strategy):
-            cls(strategy, None)  # type: ignore[arg-type]  # raises the TypeError with its message
+            cls(strategy, None)  # type: ignore[arg-type,unused-ignore]  # raises the TypeError
         settings = {key.replace("_", "-"): value for key, value in overrides.items()}
+        if "scorer" not in objects:
+            from fl_attack.evaluation.scoring_features import FeatureScorer
+
+            # the server of an arbitrary app knows no dataset: score the layer's inputs as
+            # vectors (relative error) against what opted-in clients send
+            objects["scorer"] = FeatureScorer()
         auditor = build_auditor(context.run_config, settings, **objects)
         return cls(strategy, auditor)
 
@@ -142,6 +150,17 @@ class HonestButCuriousStrategy(Strategy):
                 to_client_update(reply) for reply in training_replies(replies_list)
             ]
             self.auditor.audit_round(server_round, updates)
+            self.auditor.record_vanished(
+                server_round,
+                [
+                    (
+                        reply.metadata.src_node_id,
+                        f"the client's training reply is an error (code {reply.error.code}): {reply.error.reason}",
+                    )
+                    for reply in replies_list
+                    if reply.has_error()
+                ],
+            )
         except Exception as error:  # the audit never stops training
             log(WARNING, "Audit of round %s failed: %s: %s", server_round, type(error).__name__, error)
         strip_audit_records(replies_list)

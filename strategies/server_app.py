@@ -34,10 +34,10 @@ def build_strategy(
     scorer: ReconstructionScorer | None,
 ) -> HonestButCuriousStrategy | FedAvg:
     """FedAvg, wrapped by the honest-but-curious auditor when ``attack-enabled``."""
-    min_nodes = int(config["min-nodes"])  # type: ignore[arg-type]
+    min_nodes = int(config["min-nodes"])
     fedavg = FedAvg(
-        fraction_train=float(config["fraction-train"]),  # type: ignore[arg-type]
-        fraction_evaluate=float(config["fraction-evaluate"]),  # type: ignore[arg-type]
+        fraction_train=float(config["fraction-train"]),
+        fraction_evaluate=float(config["fraction-evaluate"]),
         min_train_nodes=min_nodes,
         min_evaluate_nodes=min_nodes,
         min_available_nodes=min_nodes,
@@ -71,26 +71,26 @@ def run_audit(
 
     # The server knows the task's input shape; in simulation it also holds the data,
     # which is used only to score and render reconstructions, never by the attacker.
-    limit = int(config["dataset-limit"])  # type: ignore[arg-type]
+    limit = int(config["dataset-limit"])
     data = load_dataset(
         str(config["dataset"]),
         root=str(config["data-root"]) or None,
         split="train",
         limit=limit or None,
     )
-    depth = int(config["depth"])  # type: ignore[arg-type]
+    depth = int(config["depth"])
     model = build_victim(
         str(config["architecture"]),
         input_dim=int(data.input_dim),
-        width=int(config["width"]),  # type: ignore[arg-type]
+        width=int(config["width"]),
         num_classes=int(data.num_classes),
         depth=depth or None,
-        seed=int(config["model-seed"]),  # type: ignore[arg-type]
+        seed=int(config["model-seed"]),
     )
 
     evaluate_fn = None
     if config["server-evaluation"]:
-        test_limit = int(config["test-limit"])  # type: ignore[arg-type]
+        test_limit = int(config["test-limit"])
         test = load_dataset(
             str(config["dataset"]),
             root=str(config["data-root"]) or None,
@@ -109,7 +109,7 @@ def run_audit(
         result = strategy.start(
             grid=grid,
             initial_arrays=ArrayRecord(model.state_dict()),
-            num_rounds=int(config["num-server-rounds"]),  # type: ignore[arg-type]
+            num_rounds=int(config["num-server-rounds"]),
             train_config=client_config(config),
             evaluate_config=client_config(config),
             evaluate_fn=evaluate_fn,

@@ -22,7 +22,7 @@ from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.simulate.victims import LOSSES, build_victim
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _digits() -> ImageData:
     return load_dataset("digits", split="all")
 
@@ -60,7 +60,7 @@ class Case:
         return evaluate_reconstruction(flat, self.flat, denormalize=self.data.denormalize).mean_psnr
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _case(batch: int = 3, width: int = 32, seed: int = 0) -> Case:
     data = _digits()
     images, labels, _ = sample_batch(data, batch, seed=seed)
@@ -76,7 +76,7 @@ def _fast(**kwargs: object) -> InvertingGradients:
     return InvertingGradients(**settings)  # type: ignore[arg-type]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reconstruction() -> Reconstruction:
     return _case().invert(_fast())
 
@@ -111,7 +111,9 @@ def test_reconstruction_fields() -> None:
     assert rec.complete is False
     assert math.isnan(rec.sparsity_matching)
     assert rec.confidence.shape == (b,)
-    assert torch.allclose(rec.confidence, torch.full((b,), rec.stats["cosine_similarity"], dtype=torch.float64))
+    assert torch.allclose(
+        rec.confidence, torch.full((b,), rec.stats["cosine_similarity"], dtype=torch.float64)
+    )
     assert rec.seconds > 0
     assert rec.stats["iterations"] == 300 and rec.stats["stopped_by"] == "iterations"
     assert rec.stats["tv_applied"] is False
@@ -175,7 +177,10 @@ def _bad_shape(case: Case) -> list[torch.Tensor]:
     ("overrides", "message"),
     [
         (lambda c: {"gradients": list(c.gradients)[:-1]}, "missing gradients"),
-        (lambda c: {"gradients": {k: v for k, v in list(c.named.items())[1:]}}, r"missing gradients for parameters \['1.weight'\]"),
+        (
+            lambda c: {"gradients": {k: v for k, v in list(c.named.items())[1:]}},
+            r"missing gradients for parameters \['1.weight'\]",
+        ),
         (lambda c: {"gradients": {**c.named, "extra": c.gradients[0]}}, "unknown parameters"),
         (lambda c: {"gradients": _bad_shape(c)}, "gradient of 3.weight has shape"),
         (lambda c: {"gradients": _nan_first(c)}, "NaN or Inf"),
@@ -219,8 +224,9 @@ def test_bad_settings_are_refused(kwargs: dict[str, object], message: str) -> No
 def test_non_image_inputs_skip_the_prior() -> None:
     """Flat tabular-like inputs: no TV, no normalization box unless asked."""
     case = _case()
-    rec = case.invert(_fast(iterations=20, tv_weight=0.2, boxed=False), input_shape=(64,),
-                      data_mean=None, data_std=None)
+    rec = case.invert(
+        _fast(iterations=20, tv_weight=0.2, boxed=False), input_shape=(64,), data_mean=None, data_std=None
+    )
     assert rec.stats["tv_applied"] is False
     assert rec.inputs.shape == case.flat.shape
     assert np.isfinite(rec.inputs.numpy()).all()

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies.run_config import resolve_run_config
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.attacks.spear import NOISY_COMPLETE_MATCHING
 from fl_attack.data.images import ImageData, load_dataset, sample_batch
@@ -40,6 +39,7 @@ from fl_attack.simulate.victims import (
     median_abs_entry,
     noisy_gradient,
 )
+from strategies.run_config import resolve_run_config
 
 EXACT_DB = 90.0
 APPROX_DB = 25.0
@@ -50,13 +50,15 @@ APPROX_DB = 25.0
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data(name: str) -> ImageData:
     return load_dataset(name, split="all")
 
 
 def _victim(data: ImageData, width: int, seed: int = 0) -> torch.nn.Sequential:
-    return build_victim("spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed)
+    return build_victim(
+        "spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed
+    )
 
 
 def _batch(data: ImageData, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +67,25 @@ def _batch(data: ImageData, batch: int, seed: int) -> tuple[torch.Tensor, torch.
     return images, labels
 
 
-def _invert(model: torch.nn.Module, weight_grad: torch.Tensor, bias_grad: torch.Tensor, *,
-            time_budget: float = 20.0, **kwargs) -> Reconstruction:
+def _invert(
+    model: torch.nn.Module,
+    weight_grad: torch.Tensor,
+    bias_grad: torch.Tensor,
+    *,
+    time_budget: float = 20.0,
+    **kwargs,
+) -> Reconstruction:
     layer = first_linear(model)[1]
     attack = SpearPlusPlus(seed=0, time_budget=time_budget, progress=False)
-    return attack.invert(weight_grad, bias_grad, weight=layer.weight.detach(), bias=layer.bias.detach(), **kwargs)
+    return attack.invert(
+        weight_grad, bias_grad, weight=layer.weight.detach(), bias=layer.bias.detach(), **kwargs
+    )
 
 
 def _quality(rec: Reconstruction, data: ImageData, images: torch.Tensor) -> BatchQuality:
-    quality = evaluate_reconstruction(rec.inputs, images.reshape(images.shape[0], -1), denormalize=data.denormalize)
+    quality = evaluate_reconstruction(
+        rec.inputs, images.reshape(images.shape[0], -1), denormalize=data.denormalize
+    )
     assert bool((quality.order >= 0).all()), "every true sample must be matched to a reconstruction"
     return quality
 
@@ -111,7 +123,9 @@ def test_clipping_without_noise_keeps_recovery_exact() -> None:
     assert bool((norms > max_grad_norm).all())  # every sample is clipped, by different factors
     assert float(norms.max() / norms.min()) > 1.2
 
-    weight_grad, bias_grad = dp_sgd_gradient(model, images, labels, noise_multiplier=0.0, max_grad_norm=max_grad_norm)
+    weight_grad, bias_grad = dp_sgd_gradient(
+        model, images, labels, noise_multiplier=0.0, max_grad_norm=max_grad_norm
+    )
     plain_weight, _ = client_gradient(model, images, labels)
     # clipping really changed the update, beyond a global scale
     assert float((_direction(weight_grad) - _direction(plain_weight)).norm()) > 0.05
@@ -171,8 +185,9 @@ def test_only_noisy_reconstructions_well_above_chance_are_complete(
     layer = first_linear(model)[1]
     # a fixed number of initializations (no time budget) makes the search repeatable
     attack = SpearPlusPlus(seed=0, time_budget=None, max_initializations=4096, progress=False)
-    rec = attack.invert(noisy_weight, noisy_bias, weight=layer.weight.detach(),
-                        bias=layer.bias.detach(), batch_size=batch)
+    rec = attack.invert(
+        noisy_weight, noisy_bias, weight=layer.weight.detach(), bias=layer.bias.detach(), batch_size=batch
+    )
     quality = _quality(rec, data, images)
     assert rec.stats["directions_found"] == batch, rec.summary()
     assert rec.complete is complete, rec.summary()
@@ -343,7 +358,9 @@ def test_simulation_recovers_dpsgd_clipping_only_clients_exactly(tmp_path: Path)
         "local-lr": 0.1,
     }
     rows = _simulate(
-        tmp_path, overrides, client_app=_opacus_keys_client_app(str(markers), resolve_run_config({}, {**SIM_BASE, **overrides}))
+        tmp_path,
+        overrides,
+        client_app=_opacus_keys_client_app(str(markers), resolve_run_config({}, {**SIM_BASE, **overrides})),
     )
     # the server really received Opacus' prefixed keys ...
     for partition in (0, 1):

@@ -10,15 +10,25 @@ import torch
 
 from fl_attack.data.images import load_dataset, sample_batch
 from fl_attack.pipeline.decompose import decompose, estimate_batch_size
-from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, median_abs_entry, noisy_gradient
+from fl_attack.simulate.victims import (
+    build_victim,
+    client_gradient,
+    first_linear,
+    median_abs_entry,
+    noisy_gradient,
+)
 
 
-@functools.lru_cache(maxsize=None)
-def _gradient(name: str, batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@functools.cache
+def _gradient(
+    name: str, batch: int, width: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 first-layer gradient, true ``dL/dZ`` as ``(m, b)`` and the flat inputs ``(b, n)``."""
     data = load_dataset(name, split="all")
     images, labels, _ = sample_batch(data, batch, seed=batch + 10 * seed)
-    model = build_victim("spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed)
+    model = build_victim(
+        "spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed
+    )
     weight_grad, _ = client_gradient(model, images, labels)
     flat = images.reshape(batch, -1)
     z = first_linear(model)[1](flat).detach().requires_grad_(True)
@@ -78,7 +88,9 @@ def test_synthetic_rank_deficient_float32_product(m: int, n: int, b: int) -> Non
 
 def test_exactly_low_rank_float64_gradient() -> None:
     gen = torch.Generator().manual_seed(0)
-    weight_grad = torch.randn(60, 5, generator=gen, dtype=torch.float64) @ torch.randn(5, 90, generator=gen, dtype=torch.float64)
+    weight_grad = torch.randn(60, 5, generator=gen, dtype=torch.float64) @ torch.randn(
+        5, 90, generator=gen, dtype=torch.float64
+    )
     estimate = _estimate(weight_grad)
     assert estimate.batch_size == 5
     assert estimate.relative_noise < 1e-12
@@ -151,7 +163,9 @@ def test_decompose_batch_size_override() -> None:
     assert smaller.spectrum.batch_size == 2
     assert torch.allclose(smaller.left.T @ smaller.left, torch.eye(2, dtype=torch.float64), atol=1e-12)
     # the override's spectrum describes the chosen cut, not the estimated one
-    assert smaller.spectrum.relative_noise == pytest.approx(float(smaller.singular_values[2] / smaller.singular_values[1]))
+    assert smaller.spectrum.relative_noise == pytest.approx(
+        float(smaller.singular_values[2] / smaller.singular_values[1])
+    )
 
 
 @pytest.mark.parametrize("batch_size", [0, -3, 100, 625, 1000])
@@ -167,4 +181,6 @@ def test_decompose_orientation_does_not_matter() -> None:
     w = weight_grad.double()
     wide, tall = decompose(w), decompose(w.T.contiguous())
     assert wide.batch_size == tall.batch_size == 10
-    assert torch.allclose(wide.left @ wide.right, (tall.left @ tall.right).T, atol=1e-10 * float(wide.singular_values[0]))
+    assert torch.allclose(
+        wide.left @ wide.right, (tall.left @ tall.right).T, atol=1e-10 * float(wide.singular_values[0])
+    )

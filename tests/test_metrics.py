@@ -137,16 +137,12 @@ def test_evaluate_exact_reconstruction_in_shuffled_order() -> None:
     gen = torch.Generator().manual_seed(3)
     ref = torch.rand(6, 16, generator=gen) * 2 - 1
     perm = torch.randperm(6, generator=gen)
-    quality = evaluate_reconstruction(
-        ref[perm].numpy().astype(np.float64), ref, denormalize=_denorm
-    )
+    quality = evaluate_reconstruction(ref[perm].numpy().astype(np.float64), ref, denormalize=_denorm)
     assert isinstance(quality, BatchQuality)
     assert torch.equal(perm[quality.order], torch.arange(6))
     assert quality.mean_psnr > 90 and quality.batch_exact
     assert quality.exact_fraction == 1.0 and quality.approx_fraction == 1.0
-    assert quality.ssim is not None and torch.allclose(
-        quality.ssim, torch.ones(6, dtype=torch.float64)
-    )
+    assert quality.ssim is not None and torch.allclose(quality.ssim, torch.ones(6, dtype=torch.float64))
     summary = quality.summary()
     json.dumps(summary)
     assert summary["batch_exact"] is True and summary["num_matched"] == 6

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from fl_attack.data.images import ImageData, load_dataset, sample_batch
-from fl_attack.pipeline.decompose import decompose, noise_std
 from fl_attack.evaluation.metrics import evaluate_reconstruction
-from fl_attack.types import ObservedUpdate
+from fl_attack.pipeline.decompose import decompose, noise_std
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful
 from fl_attack.pipeline.sparsity import NOISE_SIGMAS, ZeroTolerance, excess_zeros, zero_masks
 from fl_attack.simulate.victims import (
@@ -29,24 +28,28 @@ from fl_attack.simulate.victims import (
     noisy_gradient,
     output_gradient,
 )
+from fl_attack.types import ObservedUpdate
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _faces() -> ImageData:
     return load_dataset("faces", split="all")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _noisy_case(batch: int = 10, width: int = 200, factor: float = 0.25, seed: int = 3):
     data = _faces()
-    model = build_victim("spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed)
+    model = build_victim(
+        "spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed
+    )
     images, labels, _ = sample_batch(data, batch, seed=seed)
     weight_grad, bias_grad = client_gradient(model, images, labels)
     sigma = factor * median_abs_entry(weight_grad)
     noisy_w, noisy_b = noisy_gradient(weight_grad, bias_grad, sigma=sigma, seed=seed)
     layer = first_linear(model)[1]
-    update = ObservedUpdate.from_arrays(noisy_w, noisy_b, weight=layer.weight.detach(), bias=layer.bias.detach(),
-                                        device="cpu")
+    update = ObservedUpdate.from_arrays(
+        noisy_w, noisy_b, weight=layer.weight.detach(), bias=layer.bias.detach(), device="cpu"
+    )
     factors = decompose(update.weight_grad, batch_size=batch)
     truth = output_gradient(model, images, labels)
     # the true directions as the attacker's subspace can represent them
@@ -58,7 +61,8 @@ def _noisy_case(batch: int = 10, width: int = 200, factor: float = 0.25, seed: i
 def test_noise_std_recovers_the_gradient_noise_level() -> None:
     generator = torch.Generator().manual_seed(0)
     signal = torch.randn(300, 6, generator=generator, dtype=torch.float64) @ torch.randn(
-        6, 200, generator=generator, dtype=torch.float64)
+        6, 200, generator=generator, dtype=torch.float64
+    )
     sigma = 0.05
     noisy = signal + sigma * torch.randn(300, 200, generator=generator, dtype=torch.float64)
     singular_values = torch.linalg.svdvals(noisy)
@@ -70,7 +74,9 @@ def test_noise_std_recovers_the_gradient_noise_level() -> None:
 
 def test_attack_estimates_the_dp_noise_of_a_real_gradient() -> None:
     _, _, update, factors, _, _, sigma = _noisy_case()
-    estimate = noise_std(factors.singular_values, batch_size=factors.batch_size, shape=tuple(update.weight_grad.shape))
+    estimate = noise_std(
+        factors.singular_values, batch_size=factors.batch_size, shape=tuple(update.weight_grad.shape)
+    )
     assert estimate == pytest.approx(sigma, rel=0.1)
 
 
@@ -84,7 +90,8 @@ def test_per_direction_thresholds_predict_the_noise_at_true_zeros() -> None:
     b = factors.batch_size
     sigma_hat = noise_std(factors.singular_values, batch_size=b, shape=tuple(update.weight_grad.shape))
     tolerance = ZeroTolerance.from_noise(0.3, width=factors.left.shape[0]).with_entry_noise(
-        sigma_hat, factors.singular_values[:b])
+        sigma_hat, factors.singular_values[:b]
+    )
     predicted = tolerance.thresholds(true_directions) / NOISE_SIGMAS
     columns = true_directions @ factors.left.T
     zeros = truth == 0
@@ -122,7 +129,8 @@ def test_pruning_drops_a_wrong_direction_and_keeps_the_right_ones() -> None:
     b = factors.batch_size
     sigma_hat = noise_std(factors.singular_values, batch_size=b, shape=tuple(update.weight_grad.shape))
     tolerance = ZeroTolerance.from_noise(0.3, width=factors.left.shape[0]).with_entry_noise(
-        sigma_hat, factors.singular_values[:b])
+        sigma_hat, factors.singular_values[:b]
+    )
     scorer = SparsityMatchingScorer(update, factors, tolerance)
     reference = images.reshape(b, -1).double()
 

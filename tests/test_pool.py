@@ -97,10 +97,9 @@ def test_pool_arguments_are_checked() -> None:
 
 def test_ray_backend_runs_an_attack_as_a_task() -> None:
     ray = pytest.importorskip("ray")
-    from fl_attack.audit.ray_runner import RayAttackRunner
-
     from fl_attack import SpearPlusPlus
     from fl_attack.audit.layer import LayerDelta
+    from fl_attack.audit.ray_runner import RayAttackRunner
 
     rng = np.random.default_rng(0)
     weight, bias = rng.standard_normal((40, 12)), rng.standard_normal(40)

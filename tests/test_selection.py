@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fl_attack.pipeline.candidates import duplicate_cos_tolerance
 from fl_attack.data.images import load_dataset, sample_batch
-from fl_attack.pipeline.last_direction import scan_missing_directions
+from fl_attack.pipeline.candidates import duplicate_cos_tolerance
 from fl_attack.pipeline.decompose import LowRankFactors, decompose
+from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
-from fl_attack.types import ObservedUpdate
 from fl_attack.pipeline.select import (
     SparsityMatchingScorer,
     orthonormal_completion,
@@ -28,6 +27,7 @@ from fl_attack.pipeline.select import (
 )
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity, refine_on_zeros, zero_masks
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear
+from fl_attack.types import ObservedUpdate
 
 COS_EXACT = 1 - 1e-8
 
@@ -53,15 +53,21 @@ class Truth:
         return self.factors.left.norm(dim=1) > self.tolerance.absolute
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _truth(name: str, batch: int, width: int, seed: int) -> Truth:
     data = load_dataset(name, split="all")
     images, labels, _ = sample_batch(data, batch, seed=batch + 10 * seed)
-    model = build_victim("spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed)
+    model = build_victim(
+        "spear++", input_dim=data.input_dim, width=width, num_classes=data.num_classes, seed=seed
+    )
     weight_grad, bias_grad = client_gradient(model, images, labels)
     layer = first_linear(model)[1]
     update = ObservedUpdate.from_arrays(
-        weight_grad, bias_grad, weight=layer.weight.detach(), bias=layer.bias.detach(), device=torch.device("cpu")
+        weight_grad,
+        bias_grad,
+        weight=layer.weight.detach(),
+        bias=layer.bias.detach(),
+        device=torch.device("cpu"),
     )
     factors = decompose(update.weight_grad)
     assert factors.batch_size == batch
@@ -121,7 +127,9 @@ def test_true_directions_have_full_sparsity_matching(case) -> None:
     # the scales of the directions reproduce the bias gradient
     scales = scorer.scales(truth.directions)
     columns = truth.factors.left @ truth.directions.T
-    assert torch.allclose(columns @ scales, truth.update.bias_grad, atol=1e-6 * float(truth.update.bias_grad.abs().max()))
+    assert torch.allclose(
+        columns @ scales, truth.update.bias_grad, atol=1e-6 * float(truth.update.bias_grad.abs().max())
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -244,10 +252,14 @@ def test_select_with_too_few_directions_completes_with_placeholders() -> None:
 
 def test_select_on_an_empty_pool() -> None:
     truth = _truth("faces", 4, 100, 0)
-    selection = select(truth.scorer(), torch.zeros(0, 4, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+    selection = select(
+        truth.scorer(), torch.zeros(0, 4, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    )
     assert not bool(selection.found.any())
     assert selection.sparsity_matching == 0.0
-    assert torch.allclose(selection.directions @ selection.directions.T, torch.eye(4, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(
+        selection.directions @ selection.directions.T, torch.eye(4, dtype=torch.float64), atol=1e-12
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -384,7 +396,7 @@ def test_scan_missing_directions_finds_the_missing_one(case, missing: int) -> No
     missing = missing % b
     active = truth.active()
     scorer = truth.scorer()
-    found = torch.cat([truth.directions[:missing], truth.directions[missing + 1:]])
+    found = torch.cat([truth.directions[:missing], truth.directions[missing + 1 :]])
     proposals = scan_missing_directions(
         _restricted(truth),
         found,
@@ -401,8 +413,12 @@ def test_scan_missing_directions_finds_two_missing_ones() -> None:
     truth = _truth("faces", 4, 100, 0)
     scorer = truth.scorer()
     proposals = scan_missing_directions(
-        truth.factors, truth.directions[:2], pre_activation_basis=scorer.pre_activation_basis,
-        bias=truth.update.bias, tolerance=truth.tolerance, min_zeros=4,
+        truth.factors,
+        truth.directions[:2],
+        pre_activation_basis=scorer.pre_activation_basis,
+        bias=truth.update.bias,
+        tolerance=truth.tolerance,
+        min_zeros=4,
     )
     assert proposals.shape[0] >= 1
     best = max(_best_cos(proposals, truth.directions[2]), _best_cos(proposals, truth.directions[3]))
@@ -413,7 +429,11 @@ def test_scan_missing_directions_needs_at_most_two_missing() -> None:
     truth = _truth("faces", 4, 100, 0)
     scorer = truth.scorer()
     proposals = scan_missing_directions(
-        truth.factors, truth.directions[:1], pre_activation_basis=scorer.pre_activation_basis,
-        bias=truth.update.bias, tolerance=truth.tolerance, min_zeros=4,
+        truth.factors,
+        truth.directions[:1],
+        pre_activation_basis=scorer.pre_activation_basis,
+        bias=truth.update.bias,
+        tolerance=truth.tolerance,
+        min_zeros=4,
     )
     assert proposals.shape == (0, 4)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 import torch
+from synthetic_layer import relu_layer_update
 from torch import nn
 
 from fl_attack import SpearPlusPlus
 from fl_attack.data.images import load_dataset, sample_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.pipeline import deadline as deadline_module
 from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
 from fl_attack.pipeline.decompose import LowRankFactors, decompose
 from fl_attack.pipeline.head_structure import (
@@ -296,3 +299,61 @@ def test_head_proposals_come_first_and_stop_when_they_stop_helping() -> None:
     # head 1, base, head 2, base, head (nothing new), base, head (nothing new): patience spent
     assert order == [1.0, 100.0, 2.0, 101.0, -1.0, 102.0, -1.0, 103.0, 104.0, 105.0]
     assert head.calls == 4
+
+
+def _head_rounds(shallow: ShallowBatch, search: Search, *, deadline: float = math.inf) -> HeadRounds:
+    prior = HeadPrior.from_head_weight(shallow.head_weight, width=WIDTH, rows=search.rows)
+    return HeadRounds(
+        search.factors,
+        prior,
+        tolerance=search.tolerance,
+        min_zeros=_pool(search).weak_min_zeros,
+        generator=torch.Generator().manual_seed(SEED),
+        deadline=deadline,
+    )
+
+
+def test_head_rounds_at_a_passed_deadline_search_nothing(shallow: ShallowBatch, search: Search) -> None:
+    head = _head_rounds(shallow, search, deadline=0.0)
+    assert head.propose(search.truth[:2]).shape == (0, BATCH)
+    assert head.stats() == {"head_searches": 0, "head_initializations": 0}
+
+
+def _samples_hit(directions: torch.Tensor, truth: torch.Tensor) -> set[int]:
+    unit = directions / directions.norm(dim=1, keepdim=True)
+    similarity = (unit @ truth.T).abs()
+    return set(similarity.argmax(dim=1)[similarity.max(dim=1).values > 1 - 1e-9].tolist())
+
+
+def test_small_chunks_give_the_same_head_proposals(
+    shallow: ShallowBatch, search: Search, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each chunk of starts gets the sign rows of its own classes: one start per chunk finds
+    # what one chunk of all starts finds, every sample but the 3 known (repelled) ones; float32
+    # minima that have not converged may differ in their last digits between batch sizes
+    whole = _head_rounds(shallow, search).propose(search.truth[:3])
+    monkeypatch.setattr(deadline_module, "CHUNK_SECONDS", 1e-9)
+    head = _head_rounds(shallow, search)
+    chunked = head.propose(search.truth[:3])
+    assert chunked.shape == whole.shape and head.stats()["head_initializations"] == whole.shape[0] // 2
+    assert _samples_hit(chunked, search.truth) == _samples_hit(whole, search.truth) == set(range(3, BATCH))
+    hits_whole = int(_on_true_direction(whole, search.truth).sum())
+    hits_chunked = int(_on_true_direction(chunked, search.truth).sum())
+    assert abs(hits_chunked - hits_whole) <= 0.1 * hits_whole
+
+
+def test_the_head_path_returns_within_its_budget() -> None:
+    # a batch of 100 at m = 1000: far more than a second of search; the head rounds stop at
+    # the attack's deadline like every other stage
+    inputs = torch.randn(100, 120, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    update = relu_layer_update(inputs, width=1000, seed=1, dtype=torch.float32)
+    head_weight = torch.randn(10, 1000, generator=torch.Generator().manual_seed(2))
+    budget = 1.0
+    start = time.perf_counter()
+    rec = SpearPlusPlus(seed=0, time_budget=budget, progress=False).invert(
+        **update.arrays(), head_weight=head_weight
+    )
+    wall = time.perf_counter() - start
+    assert rec.seconds <= wall <= 1.1 * budget + 0.5, (wall, rec.summary())
+    assert not rec.complete and rec.stats["stopped_by"] == "time_budget"
+    assert rec.stats["head_searches"] >= 1

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 import stat
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 from clients.data import client_data
 from clients.partition import iid_partition, label_skew_partition, partition_indices
-from fl_attack.simulate.training import train_dpsgd, train_fedavg, train_fedsgd
 from fl_attack.results.store import load_table
+from fl_attack.simulate.training import train_dpsgd, train_fedavg, train_fedsgd
 from fl_attack.simulate.victims import build_victim
 from strategies.run_config import DEFAULT_RUN_CONFIG, resolve_run_config
 
@@ -61,7 +61,9 @@ def test_partitions_cover_the_data_without_overlap() -> None:
     assert sorted(np.concatenate(skewed).tolist()) == list(range(len(labels)))
     assert all(len(np.unique(labels[share])) == 2 for share in skewed)
 
-    limited = partition_indices(labels, scheme="label-skew", num_partitions=5, partition_id=0, limit=7, seed=1)
+    limited = partition_indices(
+        labels, scheme="label-skew", num_partitions=5, partition_id=0, limit=7, seed=1
+    )
     assert len(limited) == 7 and set(limited) <= set(skewed[0])
     with pytest.raises(ValueError, match="partitioning"):
         partition_indices(labels, scheme="dirichlet", num_partitions=2, partition_id=0)
@@ -97,7 +99,13 @@ def test_training_modes_report_what_they_trained_on() -> None:
 
     model.load_state_dict(initial)
     fedavg = train_fedavg(
-        model, data.images, data.labels, data.indices, epochs=2, mini_batch_size=8, lr=0.1,
+        model,
+        data.images,
+        data.labels,
+        data.indices,
+        epochs=2,
+        mini_batch_size=8,
+        lr=0.1,
         rng=np.random.default_rng(0),
     )
     assert fedavg.num_examples == 20 and fedavg.steps == 2 * 3
@@ -106,8 +114,17 @@ def test_training_modes_report_what_they_trained_on() -> None:
     for poisson in (True, False):
         model, data = _digits_client()
         dpsgd = train_dpsgd(
-            model, data.images, data.labels, data.indices, epochs=1, mini_batch_size=5, lr=0.1,
-            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson, seed=3,
+            model,
+            data.images,
+            data.labels,
+            data.indices,
+            epochs=1,
+            mini_batch_size=5,
+            lr=0.1,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=poisson,
+            seed=3,
         )
         assert list(dpsgd.state_dict) == list(initial)  # Opacus' "_module." prefix stripped
         assert set(dpsgd.sample_indices) <= set(data.indices.tolist())
@@ -124,17 +141,17 @@ def test_simulation_recovers_fedsgd_batches_exactly(tmp_path: Path) -> None:
 
     output = tmp_path / "run"
     settings = {
-            "num-server-rounds": 2,
-            "min-nodes": 3,
-            "dataset": "digits",
-            "width": 100,
-            "batch-size": 5,
-            "samples-per-client": 40,
-            "train-mode": "fedsgd",
-            "attack-time-budget": 40.0,
-            "attack-timeout": 120.0,
-            "output-dir": str(output),
-        }
+        "num-server-rounds": 2,
+        "min-nodes": 3,
+        "dataset": "digits",
+        "width": 100,
+        "batch-size": 5,
+        "samples-per-client": 40,
+        "train-mode": "fedsgd",
+        "attack-time-budget": 40.0,
+        "attack-timeout": 120.0,
+        "output-dir": str(output),
+    }
     run_simulation(
         server_app=create_server_app(settings),
         client_app=create_client_app(resolve_run_config({}, settings), ground_truth=True),

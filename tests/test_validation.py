@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack import CocktailPartyAttack, SpearPlusPlus
+from fl_attack import CocktailPartyAttack, Spear, SpearPlusPlus
 from fl_attack.validation import resolve_device
 
 
@@ -57,3 +57,33 @@ def test_unsupported_devices_are_named() -> None:
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         resolve_device("tpu")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("factory", "pattern"),
+    [
+        (lambda: SpearPlusPlus(surrogate="l2"), "surrogate"),
+        (lambda: SpearPlusPlus(optimizer="adam"), "optimizer"),
+        (lambda: SpearPlusPlus(time_budget=-1.0), "time_budget"),
+        (lambda: SpearPlusPlus(time_budget=0.0), "time_budget"),
+        (lambda: Spear(time_budget=-5), "time_budget"),
+        (lambda: SpearPlusPlus(false_rejection=0.0), "false_rejection"),
+        (lambda: SpearPlusPlus(accept_matching=1.5), "accept_matching"),
+        (lambda: SpearPlusPlus(initializations=0), "initializations"),
+        (lambda: Spear(samples_per_batch=0), "samples_per_batch"),
+    ],
+    ids=[
+        "surrogate",
+        "optimizer",
+        "negative-budget",
+        "zero-budget",
+        "spear-budget",
+        "false-rejection",
+        "accept-matching",
+        "initializations",
+        "samples-per-batch",
+    ],
+)
+def test_invalid_constructor_arguments_raise(factory, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        factory()

@@ -161,9 +161,7 @@ def test_fedavg_update(model: nn.Sequential) -> None:
         fedavg_update(model, x, y, lr=0.05, epochs=0)
 
 
-def _naive_dp_sum(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float
-) -> list[torch.Tensor]:
+def _naive_dp_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> list[torch.Tensor]:
     layer = model[1]
     total = [torch.zeros_like(layer.weight), torch.zeros_like(layer.bias)]
     for i in range(x.shape[0]):
@@ -220,9 +218,7 @@ def test_dp_sgd_matches_opacus(model: nn.Sequential) -> None:
     layer = wrapped._module[1]
     assert torch.allclose(ours_w, layer.weight.grad, atol=1e-7)
     assert torch.allclose(ours_b, layer.bias.grad, atol=1e-7)
-    assert not torch.allclose(
-        ours_w, client_gradient(model, x, y)[0], atol=1e-6
-    )  # clipping was active
+    assert not torch.allclose(ours_w, client_gradient(model, x, y)[0], atol=1e-6)  # clipping was active
 
 
 def test_dp_sgd_noise(model: nn.Sequential) -> None:

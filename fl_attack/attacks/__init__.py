@@ -9,7 +9,8 @@ Geiping et al., which needs the whole model and is therefore not a layer attack;
 from fl_attack.attacks.cocktail_party import CocktailPartyAttack
 from fl_attack.attacks.inverting_gradients import InvertingGradients
 from fl_attack.attacks.registry import LayerAttack, available_attacks, get_attack, register_attack
-from fl_attack.attacks.spear import GradientInversionAttack, Spear, SpearPlusPlus
+from fl_attack.attacks.spear import GradientInversionAttack
+from fl_attack.attacks.spear_variants import Spear, SpearPlusPlus
 
 register_attack("spear++", SpearPlusPlus)
 register_attack("spear", Spear)

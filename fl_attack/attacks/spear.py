@@ -6,30 +6,31 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from fl_attack.validation import check_batch_size, check_time_budget
-from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
-from fl_attack.pipeline.mixtures import split_mixtures
-from fl_attack.pipeline.last_direction import scan_missing_directions
-from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std
-from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
-from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
-from fl_attack.reconstruction import Reconstruction
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, select
-from fl_attack.pipeline.sparsity import ZeroTolerance, kernel_of_smallest, least_squares_kernel, min_sparsity
-from fl_attack.pipeline.search import (
-    OPTIMIZERS,
-    SphereSchedule,
-    get_surrogate,
-    optimize_on_sphere,
-    random_directions,
-    sampling_rounding,
+from fl_attack.pipeline.candidates import (
+    CandidatePool,
+    duplicate_cos_tolerance,
+    informative_rows,
+    is_member,
+    rows_not_in,
 )
+from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
+from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
+from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
+from fl_attack.pipeline.last_direction import scan_missing_directions
+from fl_attack.pipeline.mixtures import split_mixtures
+from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
+from fl_attack.pipeline.self_check import self_check
+from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
+from fl_attack.reconstruction import Reconstruction
+from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
+from fl_attack.validation import check_batch_size, check_time_budget
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,15 @@ logger = logging.getLogger(__name__)
 #: and the search stops when the sparsity matching stops improving.
 NOISY_ABOVE = 1e-3
 
-#: Seconds (at most, and at most a tenth of the budget) that pruning a noisy selection may run
-#: past the time budget.
+#: Seconds (at most) that pruning a noisy selection may run past the time budget...
 PRUNE_GRACE = 30.0
+#: ... and the most it may run past it as a fraction of the budget: with the stages' own
+#: overrun (one chunk of work each), the attack returns within 110% of its budget.
+PRUNE_GRACE_FRACTION = 0.05
+
+#: The search stops early by the estimated cost of the final selection and self-check, but
+#: by at most this fraction of the budget.
+FINISH_FRACTION = 0.05
 
 #: On a noisy gradient, b directions are reported as a complete reconstruction only when their
 #: mean sparsity matching reaches this; chance is ~0.5. Measured under DP noise: 0.49-0.62 gave
@@ -55,7 +62,7 @@ SETTLED_MATCHING = 0.9
 
 
 @dataclass
-class _SearchState:
+class SearchState:
     """Mutable bookkeeping of one ``invert`` call."""
 
     factors: LowRankFactors
@@ -65,7 +72,7 @@ class _SearchState:
     stats: dict[str, Any]
     active: torch.Tensor
     noisy: bool
-    grace: float = 0.0
+    finish_by: float = math.inf
     head: HeadPrior | None = None
 
 
@@ -82,9 +89,13 @@ class GradientInversionAttack(ABC):
         Seed of the attack's own random generator; the same seed on the same device gives
         the same reconstruction.
     time_budget
-        Seconds after which the search stops and returns the best reconstruction so far. On
-        noisy gradients the final pruning of doubtful rows
-        (:func:`fl_attack.pipeline.select.prune_doubtful`) may add up to a tenth of it (at most 30 s).
+        Seconds within which ``invert`` returns the best reconstruction it has, measured from
+        its call; None for no limit. Every stage checks the deadline between bounded chunks
+        of work (:mod:`fl_attack.pipeline.deadline`), the search stops early enough to leave
+        time for the final selection and self-check, and on noisy gradients the final pruning
+        of doubtful rows (:func:`fl_attack.pipeline.select.prune_doubtful`) may run up to 5%
+        of it (at most 30 s) past it: ``invert`` returns within 110% of the budget. Only the
+        initial SVD cannot be interrupted.
     false_rejection
         Probability of wrongly discarding a correct direction by the sparsity filter
         (SPEAR Sec. 4.1); sets the minimum zero fraction ``tau``.
@@ -166,10 +177,9 @@ class GradientInversionAttack(ABC):
         noise_level
             Overrides the attack's known relative noise level for this call.
         head_weight
-            ``(c, m)`` global weight of the output layer that the attacked layer's ReLU feeds
-            directly (one-hidden-layer models). Adds proposals guided by its class structure
-            (:mod:`fl_attack.pipeline.head_structure`); they pass the same exact filters, so a
-            weight that does not fit only costs time.
+            ``(c, m)`` global weight of the output layer fed directly by this layer's ReLU: adds
+            proposals guided by its classes (:mod:`fl_attack.pipeline.head_structure`) under the
+            same deadline, filters, selection and self-check; one that does not fit costs time only.
 
         Returns
         -------
@@ -180,9 +190,8 @@ class GradientInversionAttack(ABC):
         Raises
         ------
         ValueError
-            On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` that is not
-            ``(c, m)`` with ``c >= 2``) or a batch size that no exact attack can invert
-            (``b >= min(m, n)``).
+            On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` not ``(c, m)``,
+            ``c >= 2``) or a batch size that no exact attack can invert (``b >= min(m, n)``).
         TypeError
             If ``head_weight`` is not a real numpy array or torch tensor.
         """
@@ -191,7 +200,8 @@ class GradientInversionAttack(ABC):
         check_batch_size(batch_size)
         device = resolve_device(self.device)
         update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
-        factors = decompose(update.weight_grad, batch_size=batch_size)
+        floor = rounding_floor(update.weight_grad, unit_roundoff=update.unit_roundoff, weight=update.weight)
+        factors = decompose(update.weight_grad, batch_size=batch_size, rounding_floor=floor)
         b, m = factors.batch_size, update.width
         noise = noise_level if noise_level is not None else self.noise_level
         relative_noise = noise if noise is not None else factors.spectrum.relative_noise
@@ -199,7 +209,8 @@ class GradientInversionAttack(ABC):
         noisy = relative_noise > NOISY_ABOVE
         entry_noise = 0.0
         if noisy:
-            entry_noise = noise_std(factors.singular_values, batch_size=b, shape=update.weight_grad.shape)
+            shape = (update.width, update.input_dim)
+            entry_noise = noise_std(factors.singular_values, batch_size=b, shape=shape)
             if entry_noise > 0:
                 tolerance = tolerance.with_entry_noise(entry_noise, factors.singular_values[:b])
         budget = time_budget if time_budget is not None else self.time_budget
@@ -209,10 +220,21 @@ class GradientInversionAttack(ABC):
             "spectral_gap": factors.spectrum.gap,
             "relative_noise": relative_noise,
             "noise_std": entry_noise,
+            "rounding_floor": floor,
             "device": str(device),
         }
+        weakest = float(factors.singular_values[b - 1])
+        if floor > 0:
+            stats["signal_to_rounding"] = weakest / floor  # below ~4 the weakest sample is lost to rounding
+        if entry_noise > 0:
+            # the weakest sample against the top of the noise bulk (Marchenko-Pastur edge): below
+            # ~1 it is indistinguishable from the noise
+            n = update.input_dim
+            stats["rank_noise_ratio"] = weakest / (
+                entry_noise * (math.sqrt(max(m - b, 1)) + math.sqrt(max(n - b, 1)))
+            )
         scorer = SparsityMatchingScorer(update, factors, tolerance)
-        search_factors, active = _informative_rows(factors, tolerance)
+        search_factors, active = informative_rows(factors, tolerance)
         stats["informative_rows"] = int(active.sum())
         if active.sum() < b:
             raise ValueError(
@@ -227,72 +249,115 @@ class GradientInversionAttack(ABC):
         weak_min_zeros = max(b + 1, math.ceil(0.5 * tau * int(active.sum()))) if b > 1 else 0
         stats["min_zeros"] = min_zeros
         stats["noisy"] = noisy
-        pool = CandidatePool(search_factors, tolerance, min_zeros=min_zeros, weak_min_zeros=weak_min_zeros,
-                             cos_tolerance=duplicate_cos_tolerance(relative_noise))
+        pool = CandidatePool(
+            search_factors,
+            tolerance,
+            min_zeros=min_zeros,
+            weak_min_zeros=weak_min_zeros,
+            cos_tolerance=duplicate_cos_tolerance(relative_noise),
+        )
+        prior = None if head_weight is None else HeadPrior.from_head_weight(head_weight, width=m, rows=active)
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
-        state = _SearchState(
+        state = SearchState(
             factors=search_factors,
             pool=pool,
             generator=generator,
-            deadline=start + budget if budget is not None else math.inf,
+            deadline=start + budget - self._finishing_seconds(update, b, budget)
+            if budget is not None
+            else math.inf,
             stats=stats,
             active=active,
             noisy=noisy,
-            grace=min(PRUNE_GRACE, 0.1 * budget) if budget is not None else math.inf,
-            head=None if head_weight is None else HeadPrior.from_head_weight(head_weight, width=m, rows=active),
+            finish_by=start + budget + min(PRUNE_GRACE, PRUNE_GRACE_FRACTION * budget)
+            if budget is not None
+            else math.inf,
+            head=prior,
         )
         selection = self._run(state, scorer)
+        accepted = self._accepted(selection)
+        if not accepted and stats.get("stopped_by") != "no_improvement" and expired(state.deadline):
+            stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(
             candidates=len(pool),
             proposals=pool.proposals_seen,
             rejected_by_sparsity=pool.rejected_sparsity,
             directions_found=int(selection.found.sum()),
+            time_budget=budget,
+            budget_exhausted=stats.get("stopped_by") == "time_budget",
+        )
+        check = self_check(
+            selection.inputs,
+            factors=factors,
+            weight=update.weight,
+            bias=update.bias,
+            bias_grad=update.bias_grad,
+            relative_noise=relative_noise,
+            exact=not noisy,
+            found=selection.found,
+            pre_activation_basis=scorer.pre_activation_basis,
+        )
+        stats.update(check.stats())
+        # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
+        # barely above chance (noisy), are not a reconstruction: never report them complete
+        claimed = selection.complete and (
+            selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
         elapsed = time.perf_counter() - start
         logger.info(
-            "%s: b=%d found=%d/%d lambda=%.4f in %.2fs", self.name, b, stats["directions_found"], b,
-            selection.sparsity_matching, elapsed,
+            "%s: b=%d found=%d/%d lambda=%.4f self-check %s in %.2fs",
+            self.name,
+            b,
+            stats["directions_found"],
+            b,
+            selection.sparsity_matching,
+            "passed" if check.passed else "failed",
+            elapsed,
         )
         return Reconstruction(
             inputs=selection.inputs.detach().cpu(),
             batch_size=b,
             sparsity_matching=selection.sparsity_matching,
-            # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
-            # barely above chance (noisy), are not a reconstruction: never report them complete
-            complete=selection.complete and (
-                selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else self._accepted(selection)
-            ),
+            complete=claimed and check.passed,
             confidence=selection.per_sample.clamp_min(0).detach().cpu(),
             seconds=elapsed,
             stats=stats,
+            self_check=check,
         )
 
-    def _run(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+    def _run(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection:
         b = state.factors.batch_size
         best: Selection | None = None
         rounds = 0
         stale = 0
         show = self.progress
         head: HeadRounds | None = None
-        bar = tqdm(total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None,
-                   leave=False)
+        bar = tqdm(
+            total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None, leave=False
+        )
         try:
-            proposals_iter = iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)]) \
-                if b == 1 else self._proposals(state)
+            proposals_iter = (
+                iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)])
+                if b == 1
+                else self._proposals(state)
+            )
             if state.head is not None and b > 1:
-                head = HeadRounds(state.factors, state.head, tolerance=state.pool.tolerance,
-                                  min_zeros=state.pool.weak_min_zeros, generator=state.generator,
-                                  deadline=state.deadline, noisy=state.noisy)
+                head = HeadRounds.for_pool(
+                    state.pool,
+                    state.head,
+                    generator=state.generator,
+                    deadline=state.deadline,
+                    noisy=state.noisy,
+                )
                 proposals_iter = interleave_head_rounds(proposals_iter, head, pool=state.pool)
             for proposals in proposals_iter:
                 rounds += 1
-                new = state.pool.add(proposals)
+                new = state.pool.add(proposals, deadline=state.deadline)
                 if new == 0 and best is not None:
                     stale += 1
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
-                    if time.perf_counter() > state.deadline:
+                    if expired(state.deadline):
                         state.stats["stopped_by"] = "time_budget"
                         break
                     continue
@@ -312,24 +377,32 @@ class GradientInversionAttack(ABC):
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
-                if time.perf_counter() > state.deadline:
+                if expired(state.deadline):
                     state.stats["stopped_by"] = "time_budget"
                     break
         finally:
             bar.close()
         state.stats["rounds"] = rounds
         if head is not None:
-            state.stats.update(head_searches=head.searches, head_initializations=head.initializations)
+            state.stats.update(head.stats())
         if best is None:
             best = self._select(state, scorer)
         if state.noisy and b > 1:
             found = int(best.found.sum())
             # pruning is worth a little time past the deadline: a wrong row spoils every sample
-            best = prune_doubtful(scorer, best, deadline=max(state.deadline, time.perf_counter()) + state.grace)
+            best = prune_doubtful(scorer, best, deadline=state.finish_by)
             state.stats["pruned"] = found - int(best.found.sum())
         return best
 
-    def _settled(self, state: _SearchState, best: Selection, stale: int) -> bool:
+    @staticmethod
+    def _finishing_seconds(update: ObservedUpdate, b: int, budget: float) -> float:
+        """Time kept back from the search for the final selection and the self-check: their
+        estimated cost, at most :data:`FINISH_FRACTION` of the budget."""
+        m, n = update.width, update.input_dim
+        estimate = 4 * score_seconds(m, b) + matmul_seconds(6.0 * b * b * (m + n)) + eigh_seconds(b)
+        return min(FINISH_FRACTION * budget, estimate)
+
+    def _settled(self, state: SearchState, best: Selection, stale: int) -> bool:
         """Whether more rounds are unlikely to help a complete selection.
 
         On noisy gradients the matching cannot reach 1. On clean FedAvg updates the ReLU
@@ -345,28 +418,32 @@ class GradientInversionAttack(ABC):
     def _accepted(self, selection: Selection) -> bool:
         return selection.complete and float(selection.per_sample.min()) >= self.accept_matching
 
-    def _select_and_split(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+    def _select_and_split(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection:
         """Select; while not accepted, split remembered mixtures into new directions and retry."""
         pool = state.pool
         selection = self._select(state, scorer)
         if state.noisy:
             return selection
         for _ in range(self.split_rounds):
-            if self._accepted(selection):
+            if self._accepted(selection) or expired(state.deadline):
                 break
-            unselected = _rows_not_in(pool.directions, selection.directions[selection.found])
+            unselected = rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]
             mixtures = torch.cat([pool.mixtures, unselected, doubtful], dim=0)
-            proposals = split_mixtures(state.factors, mixtures, pool.directions, pool.tolerance)
+            proposals = split_mixtures(
+                state.factors, mixtures, pool.directions, pool.tolerance, deadline=state.deadline
+            )
             state.stats["split_proposals"] = state.stats.get("split_proposals", 0) + int(proposals.shape[0])
-            added = pool.add(proposals)
-            added += pool.add(self._last_direction_proposals(state, scorer, selection))
+            added = pool.add(proposals, deadline=state.deadline)
+            added += pool.add(
+                self._last_direction_proposals(state, scorer, selection), deadline=state.deadline
+            )
             if added == 0:
                 break
             selection = self._select(state, scorer)
         return selection
 
-    def _select(self, state: _SearchState, scorer: SparsityMatchingScorer) -> Selection:
+    def _select(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection:
         """Select from confident then weak candidates, swapping only until the deadline.
 
         Weak candidates rank after every confident one in the sparsest-first stage; on noisy
@@ -390,11 +467,12 @@ class GradientInversionAttack(ABC):
         good_enough = 1.0 if state.noisy else self.accept_matching
         return select(scorer, directions, counts, deadline=state.deadline, good_enough=good_enough)
 
-    def _last_direction_proposals(self, state: _SearchState, scorer: SparsityMatchingScorer,
-                                  selection: Selection) -> torch.Tensor:
+    def _last_direction_proposals(
+        self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
+    ) -> torch.Tensor:
         """Scan for the one or two directions missing (or doubtful) in an otherwise good selection."""
         b = state.factors.batch_size
-        trusted = selection.found & _is_member(selection.directions, state.pool.directions)
+        trusted = selection.found & is_member(selection.directions, state.pool.directions)
         if selection.complete:
             trusted &= selection.per_sample >= self.accept_matching
         if int(trusted.sum()) not in (b - 1, b - 2):
@@ -412,7 +490,7 @@ class GradientInversionAttack(ABC):
         return proposals
 
     @abstractmethod
-    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
+    def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
         """Yield batches of ``(k, b)`` candidate directions until the budget is spent."""
 
 
@@ -420,187 +498,3 @@ def _better(candidate: Selection, incumbent: Selection) -> bool:
     key_c = (int(candidate.found.sum()), candidate.sparsity_matching)
     key_i = (int(incumbent.found.sum()), incumbent.sparsity_matching)
     return key_c > key_i
-
-
-def _is_member(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """Which of ``rows`` are (up to sign) rows of ``pool``."""
-    if pool.shape[0] == 0:
-        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (pool / pool.norm(dim=1, keepdim=True)).T
-    return (similarity.abs() > 1 - 1e-9).any(dim=1)
-
-
-def _rows_not_in(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    if rows.shape[0] == 0 or chosen.shape[0] == 0:
-        return rows
-    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (chosen / chosen.norm(dim=1, keepdim=True)).T
-    return rows[~(similarity.abs() > 1 - 1e-9).any(dim=1)]
-
-
-def _informative_rows(factors: LowRankFactors, tolerance: ZeroTolerance) -> tuple[LowRankFactors, torch.Tensor]:
-    """Drop neurons whose gradient row is zero for the whole batch: they constrain nothing."""
-    active = factors.left.norm(dim=1) > tolerance.absolute
-    return replace(factors, left=factors.left[active].contiguous()), active
-
-
-class SpearPlusPlus(GradientInversionAttack):
-    """SPEAR++: sparse directions by dictionary learning on the sphere.
-
-    Thousands of random initializations are optimized at once on the sphere; their minima
-    are rounded to exact kernels of ``b - 1`` rows, filtered and selected. Restarts draw new
-    initializations from the orthogonal complement of the directions already found until
-    ``b`` directions are selected with full sparsity matching, or the budget is spent.
-
-    Parameters
-    ----------
-    surrogate
-        ``"l1"`` (default, no rounding needed), ``"logcosh"`` or ``"neg_l4"`` (both rounded by
-        sampling, SPEAR++ Sec. 4.4).
-    optimizer
-        ``"radam"`` (Riemannian Adam, geoopt) or ``"pgd"`` (projected subgradient descent).
-    initializations
-        Initializations optimized together per round; ``None`` scales with the batch size.
-    max_initializations
-        Total initialization budget over all rounds; ``None`` means only the time budget applies.
-    schedule
-        Steps and learning-rate decay of the optimization; when given, its ``lr`` is used in
-        every round instead of ``learning_rates``.
-    learning_rates
-        Initial learning rates cycled over rounds. Large steps (Riemannian Adam at 0.5-2 on
-        the unit sphere) escape the shallow spurious minima that trap small ones at
-        ``m / b ~ 10``; small ones reach the narrow basins of a crowded ``m / b ~ 7``.
-    complement_fraction
-        Fraction of the initializations of later rounds drawn orthogonally to found directions.
-    polish_fraction
-        Fraction of neurons whose rows define the least-squares kernel that precedes exact
-        rounding of ``l1`` minima.
-    rounding_samples, rounding_pool
-        For smooth surrogates: proposals per minimum and the fraction of smallest entries
-        they are sampled from.
-    **kwargs
-        See :class:`GradientInversionAttack`.
-    """
-
-    name = "spear++"
-
-    def __init__(
-        self,
-        *,
-        surrogate: str = "l1",
-        optimizer: str = "radam",
-        initializations: int | None = None,
-        max_initializations: int | None = None,
-        schedule: SphereSchedule | None = None,
-        learning_rates: tuple[float, ...] = (0.5, 2.0, 0.15),
-        complement_fraction: float = 0.5,
-        polish_fraction: float = 0.3,
-        rounding_samples: int = 4,
-        rounding_pool: float = 0.4,
-        dtype: torch.dtype = torch.float32,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.surrogate = get_surrogate(surrogate)
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {optimizer!r}; available: {list(OPTIMIZERS)}")
-        if initializations is not None and initializations < 1:
-            raise ValueError(f"initializations must be >= 1, got {initializations}")
-        if not 0 <= complement_fraction <= 1:
-            raise ValueError(f"complement_fraction must be in [0, 1], got {complement_fraction}")
-        self.optimizer = optimizer
-        self.initializations = initializations
-        self.max_initializations = max_initializations
-        self.schedule = schedule
-        if not learning_rates or min(learning_rates) <= 0:
-            raise ValueError(f"learning_rates must be positive, got {learning_rates}")
-        self.learning_rates = tuple(learning_rates)
-        self.polish_fraction = polish_fraction
-        self.complement_fraction = complement_fraction
-        self.rounding_samples = rounding_samples
-        self.rounding_pool = rounding_pool
-        self.dtype = dtype
-
-    def _initializations_per_round(self, b: int, m: int) -> int:
-        if self.initializations is not None:
-            return self.initializations
-        # one optimization step costs ~ k m b flops: keep a round to a few seconds on a CPU
-        return int(max(256, min(32 * b, 4096, 1.5e9 // (m * b))))
-
-    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
-        left = state.factors.left
-        m, b = left.shape
-        per_round = self._initializations_per_round(b, m)
-        left_fast = left.to(self.dtype)
-        used = 0
-        rounds = 0
-        while self.max_initializations is None or used < self.max_initializations:
-            count = per_round if self.max_initializations is None else min(per_round, self.max_initializations - used)
-            found = state.pool.directions
-            n_complement = int(count * self.complement_fraction) if len(state.pool) else 0
-            inits = [random_directions(count - n_complement, b, generator=state.generator, dtype=self.dtype,
-                                       device=left.device)]
-            if n_complement:
-                inits.append(random_directions(n_complement, b, generator=state.generator, avoid=found,
-                                               dtype=self.dtype, device=left.device))
-            schedule = self.schedule or SphereSchedule(lr=self.learning_rates[rounds % len(self.learning_rates)])
-            rounds += 1
-            minima = optimize_on_sphere(
-                left_fast, torch.cat(inits), surrogate=self.surrogate, optimizer=self.optimizer,
-                schedule=schedule, deadline=state.deadline,
-            ).to(torch.float64)
-            used += count
-            state.stats["initializations"] = used
-            if self.surrogate.needs_rounding:
-                yield sampling_rounding(left, minima, pool_fraction=self.rounding_pool,
-                                        samples=self.rounding_samples, generator=state.generator)
-            else:
-                rows = min(m, max(b - 1, int(self.polish_fraction * m)))
-                estimate = least_squares_kernel(state.factors, minima, rows=rows)
-                # without exact zeros, rounding to b - 1 rows would only amplify the noise; the
-                # estimate is kept beside its rounding (see HeadRounds.propose: rank-deficient rows)
-                yield estimate if state.noisy else torch.cat([estimate, kernel_of_smallest(state.factors, estimate,
-                                                                                           rows=b - 1)])
-            if time.perf_counter() > state.deadline:
-                return
-
-
-class Spear(GradientInversionAttack):
-    """SPEAR: directions as kernels of randomly sampled ``(b-1)``-row submatrices.
-
-    Its expected cost grows like ``2^b``: use it for small batches (``b <= 20``) or as a
-    reference for SPEAR++.
-
-    Parameters
-    ----------
-    samples_per_batch
-        Submatrices whose kernels are computed together in one batched QR.
-    max_samples
-        Total sampling budget; ``None`` means only the time budget applies.
-    **kwargs
-        See :class:`GradientInversionAttack`.
-    """
-
-    name = "spear"
-
-    def __init__(self, *, samples_per_batch: int = 4096, max_samples: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if samples_per_batch < 1:
-            raise ValueError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
-        self.samples_per_batch = samples_per_batch
-        self.max_samples = max_samples
-
-    def _proposals(self, state: _SearchState) -> Iterator[torch.Tensor]:
-        left = state.factors.left
-        m, b = left.shape
-        used = 0
-        while self.max_samples is None or used < self.max_samples:
-            count = self.samples_per_batch if self.max_samples is None else min(self.samples_per_batch,
-                                                                                 self.max_samples - used)
-            keys = torch.rand(count, m, generator=state.generator, dtype=torch.float64)
-            rows = torch.argsort(keys, dim=1)[:, : b - 1].to(left.device)
-            q, _ = torch.linalg.qr(left[rows].transpose(1, 2), mode="complete")
-            used += count
-            state.stats["samples"] = used
-            yield q[:, :, -1]
-            if time.perf_counter() > state.deadline:
-                return

@@ -16,15 +16,12 @@ import random
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
 from fl_attack.vocabulary import (
-    APPROX_PSNR_DB,
-    EXACT_PSNR_DB,
     STATUS_DROPPED,
     STATUS_ERROR,
     STATUS_OK,
@@ -32,9 +29,10 @@ from fl_attack.vocabulary import (
 )
 
 from .layer import LayerDelta, LayerKeys, NamedArrays, layer_delta, layer_parameters, select_layer
-from .observations import ClientUpdate
+from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
 from .signature import UpdateSignature, magnitude_concentration, update_signature
+from .units import Prepared, attack_summary, member_quality, to_numpy, total_examples, unit_name
 from .verdict import Verdict, decide_verdict
 from .workers import Attacker, AttackResult, AttackRunner, make_runner
 
@@ -227,6 +225,14 @@ class Auditor:
                 )
         return produced
 
+    def record_vanished(self, server_round: int, failures: Sequence[tuple[int, str]]) -> list[AttackRecord]:
+        """Record the clients whose training reply was an error: no update, nothing to attack."""
+        produced = []
+        for node_id, why in failures:
+            member = ClientUpdate(identity=ClientIdentity(node_id=node_id), arrays=None, error=why)
+            produced.append(self._keep(self._failed(server_round, [member], f"no update: {why}", None)))
+        return produced
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued attack has finished (a no-op without workers)."""
         return True if self.pool is None else self.pool.drain(timeout)
@@ -249,7 +255,7 @@ class Auditor:
                 self._runners.append(runner)
         return runner
 
-    def _pool_job(self, prepared: _Prepared, queued_at: float) -> None:
+    def _pool_job(self, prepared: Prepared, queued_at: float) -> None:
         try:
             record = self._run_job(prepared, queued_at, runner=self._pool_runner())
         except Exception as error:  # never lose an attack to a bug: record it
@@ -261,7 +267,7 @@ class Auditor:
             )
         self._keep(record)
 
-    def _dropped_job(self, prepared: _Prepared, queued_at: float) -> None:
+    def _dropped_job(self, prepared: Prepared, queued_at: float) -> None:
         assert self.layer is not None
         self._keep(
             AttackRecord(
@@ -314,7 +320,7 @@ class Auditor:
         server_round: int,
         members: list[ClientUpdate],
         global_layer: tuple[np.ndarray, np.ndarray],
-    ) -> AttackRecord | _Prepared:
+    ) -> AttackRecord | Prepared:
         """The observed update of one unit, or the record of why it cannot be attacked."""
         assert self.layer is not None
         deltas: list[LayerDelta] = []
@@ -334,10 +340,10 @@ class Auditor:
             return self._failed(
                 server_round, members, "unreadable update: it contains NaN or Inf entries", None
             )
-        return _Prepared(server_round=server_round, members=members, delta=delta)
+        return Prepared(server_round=server_round, members=members, delta=delta)
 
     def _run_job(
-        self, prepared: _Prepared, queued_at: float, runner: AttackRunner | None = None
+        self, prepared: Prepared, queued_at: float, runner: AttackRunner | None = None
     ) -> AttackRecord:
         """Attack one prepared unit, judge and score it (in a pool thread when there is a pool)."""
         assert self.layer is not None
@@ -348,7 +354,7 @@ class Auditor:
             delta, batch_size=batch_size, time_budget=self.time_budget, timeout=self.timeout
         )
         finished_at = time.time()
-        summary = _attack_summary(result)
+        summary = attack_summary(result)
         verdict = self._verdict(result, summary, delta, members)
         name = unit_name(members)
         level = logging.INFO if result.status == STATUS_OK else logging.WARNING
@@ -375,7 +381,7 @@ class Auditor:
         }
         if result.status != STATUS_OK:
             return AttackRecord(**record_fields)
-        inputs = np.asarray(_to_numpy(result.reconstruction.inputs), dtype=np.float64)
+        inputs = np.asarray(to_numpy(result.reconstruction.inputs), dtype=np.float64)
         scored, scoring_error = self._score(inputs, members, details)
         if scoring_error is not None:
             record_fields["error"] = scoring_error
@@ -408,7 +414,7 @@ class Auditor:
             input_space=self.layer.input_space if self.layer else None,
             train_mode=modes.pop() if len(modes) == 1 else None,
             time_budget=self.time_budget,
-            num_examples=_total_examples(members),
+            num_examples=total_examples(members),
         )
 
     def _score(
@@ -424,7 +430,7 @@ class Auditor:
             references = [self.scorer.references(truth) for truth in truths if truth is not None]
             scored = self.scorer.score_against(inputs, np.concatenate(references))
             if len(members) > 1 and scored.psnr is not None:
-                details["members"] = _member_quality(members, [len(r) for r in references], scored.psnr)
+                details["members"] = member_quality(members, [len(r) for r in references], scored.psnr)
             return scored, None
         except Exception as failure:  # scoring is the experimenter's side: never stop the run
             error = f"scoring failed: {type(failure).__name__}: {failure}"
@@ -490,55 +496,3 @@ class Auditor:
                     logger.error("Could not store the attack on %s", message)
             self.records.append(record)
         return record
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """One unit's observed update, ready for a worker."""
-
-    server_round: int
-    members: list[ClientUpdate]
-    delta: LayerDelta
-
-
-def unit_name(members: Sequence[ClientUpdate]) -> str:
-    """Name of an attacked update: the client's, or ``secagg-<a>_<b>...`` for a sum."""
-    if len(members) == 1:
-        return members[0].identity.name
-    return "secagg-" + "_".join(member.identity.name for member in members)
-
-
-def _total_examples(members: Sequence[ClientUpdate]) -> int | None:
-    counts = [member.num_examples for member in members]
-    return None if any(count is None for count in counts) else sum(count or 0 for count in counts)
-
-
-def _attack_summary(result: AttackResult) -> dict[str, Any]:
-    reconstruction = result.reconstruction
-    if reconstruction is None or not hasattr(reconstruction, "summary"):
-        return {}
-    return dict(reconstruction.summary())
-
-
-def _member_quality(
-    members: list[ClientUpdate], sizes: list[int], psnr: Sequence[float]
-) -> dict[str, dict[str, Any]]:
-    """Per-client recovery inside a secure-aggregation sum (references were concatenated)."""
-    report: dict[str, dict[str, Any]] = {}
-    start = 0
-    for member, size in zip(members, sizes, strict=True):
-        values = [float(value) for value in psnr[start : start + size]]
-        start += size
-        report[member.identity.name] = {
-            "samples": len(values),
-            "mean_psnr": float(np.mean(values)) if values else None,
-            "exact_fraction": float(np.mean([v > EXACT_PSNR_DB for v in values])) if values else None,
-            "approx_fraction": float(np.mean([v > APPROX_PSNR_DB for v in values])) if values else None,
-        }
-    return report
-
-
-def _to_numpy(values: Any) -> np.ndarray:
-    if hasattr(values, "detach"):
-        return np.asarray(values.detach().cpu().numpy())
-    return np.asarray(values)

@@ -174,7 +174,8 @@ def decide_verdict(
             return Verdict(
                 VERDICT_APPROXIMATE,
                 f"all {b} samples found, but the weakest one's ReLU pattern agrees with the update at only "
-                f"{weakest:.4f} (exact needs {EXACT_MIN_CONFIDENCE}): near-identical samples may be blended"
+                f"{weakest:.4f} (exact needs {EXACT_MIN_CONFIDENCE}): exactness is not confirmed (near-identical "
+                "samples may be blended, or the layer's float32 rounding moved a neuron)"
                 + _features_note(input_space),
             )
         if complete and not noisy and not adaptive:

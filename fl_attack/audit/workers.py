@@ -220,7 +220,7 @@ class AttackRunner(ABC):
     ) -> AttackResult:
         """Invert one update (see :func:`run_attack` for the parameters)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a runner without resources has nothing to release
         """Release the runner's resources; it can still be used afterwards."""
 
 
@@ -278,7 +278,7 @@ class ProcessAttackRunner(AttackRunner):
 
     def __init__(self, attacker: Attacker, *, start_method: str = "spawn") -> None:
         super().__init__(attacker)
-        self._context = multiprocessing.get_context(start_method)
+        self._context: Any = multiprocessing.get_context(start_method)
         self._process: Any = None
         self._connection: Connection | None = None
 

@@ -1,153 +1,136 @@
-"""Score reconstructions against the ground truth: render, match, measure.
+"""Score reconstructions against the ground truth, for every kind of data: pick the scorer here.
 
-This is the experimenter's side of the audit. Nothing here is ever passed to the
-attacker: the attack sees only the observed update, and its output is scored here
-afterwards, when ground truth exists (simulation, or a client that opted in).
+This is the experimenter's side of the audit. Nothing here is ever passed to the attacker:
+the attack sees only the observed update, and its output is scored here afterwards, when
+ground truth exists (simulation, or a client that opted in). Without ground truth every
+scorer still reports *plausibility* figures computed from the reconstruction alone.
+
+=========  ===============================  ===================================================
+kind       scorer                           per sample
+=========  ===============================  ===================================================
+images     :class:`ReconstructionScorer`    PSNR (dB) of the matched image
+tabular    :class:`TabularScorer`           share of the row's features recovered (TabLeak)
+features   :class:`FeatureScorer`           relative error of the matched feature vector
+=========  ===============================  ===================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from fl_attack.audit.observations import GroundTruth
-@dataclass(frozen=True)
-class Scored:
-    """A reconstruction rendered as images and, when possible, scored.
+from fl_attack.data.images import ImageData
+from fl_attack.data.tabular_data import TabularData
+from fl_attack.data.tabular_schema import TabularSchema
+from fl_attack.vocabulary import INPUT_SPACE_FEATURES, INPUT_SPACES
 
-    Attributes
-    ----------
-    reconstructed_images : numpy.ndarray
-        ``(k, C, H, W)`` images in ``[0, 1]``; matched to ``reference_images`` row by
-        row when those are present (unmatched references have no column).
-    reference_images : numpy.ndarray or None
-        ``(k, C, H, W)`` ground-truth images in ``[0, 1]``.
-    quality : dict[str, Any]
-        Scalar quality (mean PSNR, exact fraction, ...); empty when not scored.
-    psnr : list[float] or None
-        PSNR of every ground-truth sample against its match.
-    """
+from .scored import (
+    KIND_FEATURES,
+    KIND_IMAGES,
+    KIND_TABULAR,
+    PER_SAMPLE_METRICS,
+    PLAUSIBILITY_KEY,
+    SCORER_KINDS,
+    Scored,
+    Scorer,
+)
+from .scoring_features import FeatureScorer
+from .scoring_images import ReconstructionScorer
+from .scoring_tabular import OrdinalFeature, OrdinalSchema, TabularScorer
 
-    reconstructed_images: np.ndarray
-    reference_images: np.ndarray | None
-    quality: dict[str, Any]
-    psnr: list[float] | None
+__all__ = [
+    "KIND_FEATURES",
+    "KIND_IMAGES",
+    "KIND_TABULAR",
+    "PER_SAMPLE_METRICS",
+    "PLAUSIBILITY_KEY",
+    "SCORER_KINDS",
+    "FeatureScorer",
+    "OrdinalFeature",
+    "OrdinalSchema",
+    "ReconstructionScorer",
+    "Scored",
+    "Scorer",
+    "TabularScorer",
+    "pick_scorer",
+]
+
+#: What ``pick_scorer(kind="auto")`` chooses from.
+AUTO = "auto"
 
 
-class ReconstructionScorer:
-    """Turn reconstructions into images and score them against the client's samples.
+def _kind_of(data: Any) -> str:
+    if isinstance(data, ImageData):
+        return KIND_IMAGES
+    if isinstance(data, (TabularData, TabularSchema, OrdinalSchema)):
+        return KIND_TABULAR
+    if data is None or isinstance(data, (np.ndarray, torch.Tensor)):
+        return KIND_FEATURES
+    raise TypeError(
+        "data must be an ImageData, a TabularData, a TabularSchema, an OrdinalSchema, an array of "
+        f"layer inputs or None, got {type(data).__name__}"
+    )
+
+
+def pick_scorer(*, kind: str = AUTO, data: Any = None, input_space: str | None = None) -> Scorer:
+    """The scorer for a kind of data, chosen from ``data`` or named by ``kind``.
 
     Parameters
     ----------
-    inputs : numpy.ndarray or torch.Tensor
-        ``(N, ...)`` the whole dataset as the model sees it (normalized); flattened to
-        ``(N, n)``. Sample ``i`` is the one clients report as index ``i``.
-    denormalize : Callable
-        Maps a ``(B, n)`` normalized batch to ``(B, C, H, W)`` images in ``[0, 1]``
-        (e.g. ``ImageData.denormalize``).
-    image_shape : tuple[int, ...]
-        ``(C, H, W)`` of one sample.
+    kind : str (default: "auto")
+        ``"images"``, ``"tabular"``, ``"features"``, or ``"auto"``: features when the attacked
+        layer's inputs are features (``input_space="features"``: layers precede it, so the
+        raw data cannot be scored), else the kind of ``data`` (features when it is None).
+    data : ImageData, TabularData, TabularSchema, OrdinalSchema, array or None (default: None)
+        What the server knows of the clients' data: an image dataset (normalization and
+        shape; its samples serve ground truth sent as indices), a table or its encoding, an
+        ``(N, n)`` array of layer inputs (for :class:`FeatureScorer`), or nothing.
+    input_space : str or None (default: None)
+        ``"inputs"`` or ``"features"`` (:attr:`fl_attack.audit.LayerKeys.input_space`), when known.
+
+    Returns
+    -------
+    Scorer
+        A :class:`ReconstructionScorer`, :class:`TabularScorer` or :class:`FeatureScorer`.
+
+    Raises
+    ------
+    ValueError
+        On an unknown kind or input space, on a kind that ``data`` cannot serve (images need
+        an ImageData, tabular a table or schema), or on images or tabular scoring of a layer
+        whose inputs are features.
+    TypeError
+        On ``data`` of an unsupported type.
     """
-
-    def __init__(
-        self,
-        inputs: np.ndarray | torch.Tensor,
-        *,
-        denormalize: Callable[[torch.Tensor], torch.Tensor],
-        image_shape: tuple[int, ...],
-    ) -> None:
-        values = torch.as_tensor(inputs).detach().to(device="cpu", dtype=torch.float64)
-        self._inputs = values.reshape(values.shape[0], -1)
-        self._denormalize = denormalize
-        self.image_shape = tuple(int(size) for size in image_shape)
-
-    @classmethod
-    def from_image_data(cls, data: Any) -> ReconstructionScorer:
-        """Build from a :class:`fl_attack.data.images.ImageData`."""
-        return cls(data.images, denormalize=data.denormalize, image_shape=tuple(data.image_shape))
-
-    def images(self, flat: np.ndarray | torch.Tensor) -> np.ndarray:
-        """``(B, n)`` model inputs as ``(B, C, H, W)`` float64 images clipped to ``[0, 1]``."""
-        values = torch.as_tensor(flat).detach().to(device="cpu", dtype=torch.float64)
-        if values.shape[0] == 0:
-            return np.zeros((0, *self.image_shape))
-        pictures = torch.as_tensor(self._denormalize(values)).detach().to("cpu", torch.float64)
-        pictures = pictures.reshape(values.shape[0], *self.image_shape)
-        return np.clip(np.nan_to_num(pictures.numpy(), nan=0.0), 0.0, 1.0)
-
-    def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
-        """Images of a reconstruction without ground truth (nothing is scored)."""
-        return Scored(
-            reconstructed_images=self.images(reconstruction),
-            reference_images=None,
-            quality={},
-            psnr=None,
+    if kind != AUTO and kind not in SCORER_KINDS:
+        raise ValueError(f"kind must be one of {(AUTO, *SCORER_KINDS)}, got {kind!r}")
+    if input_space is not None and input_space not in INPUT_SPACES:
+        raise ValueError(f"input_space must be one of {INPUT_SPACES} or None, got {input_space!r}")
+    data_kind = _kind_of(data)
+    if kind == AUTO:
+        kind = KIND_FEATURES if input_space == INPUT_SPACE_FEATURES else data_kind
+    if kind != KIND_FEATURES and input_space == INPUT_SPACE_FEATURES:
+        raise ValueError(
+            f"the attacked layer follows other layers, so its inputs are features, not {kind}: "
+            "score them with kind='features'"
         )
-
-    def references(self, truth: GroundTruth) -> np.ndarray:
-        """The ``(k, n)`` true samples of a client: its sent inputs, or its dataset indices looked up.
-
-        Raises
-        ------
-        ValueError
-            On indices outside the dataset, or inputs whose width differs from the dataset's.
-        """
-        if truth.inputs is not None:
-            reference = np.asarray(truth.inputs, dtype=np.float64)
-            return reference.reshape(reference.shape[0], -1)
-        unique = list(dict.fromkeys(int(index) for index in truth.indices or []))
-        if not unique:
-            raise ValueError("no ground-truth indices to score against")
-        if min(unique) < 0 or max(unique) >= self._inputs.shape[0]:
+    if kind == KIND_FEATURES:
+        if isinstance(data, (np.ndarray, torch.Tensor)):
+            return FeatureScorer(dataset=data)
+        return FeatureScorer()
+    if kind == KIND_IMAGES:
+        if not isinstance(data, ImageData):
             raise ValueError(
-                f"ground-truth indices must lie in [0, {self._inputs.shape[0]}), got {min(unique)}..{max(unique)}"
+                "kind='images' needs the image dataset (an ImageData: its normalization and image shape), "
+                f"got {type(data).__name__}"
             )
-        return np.asarray(self._inputs[unique].numpy())
-
-    def score(self, reconstruction: np.ndarray | torch.Tensor, indices: list[int]) -> Scored:
-        """Score a reconstruction against the dataset samples ``indices`` (duplicates scored once)."""
-        return self.score_against(reconstruction, self.references(GroundTruth(indices=list(indices))))
-
-    def score_against(self, reconstruction: np.ndarray | torch.Tensor, reference: np.ndarray) -> Scored:
-        """Match a reconstruction to the ``(k, n)`` true samples and compute its quality.
-
-        Parameters
-        ----------
-        reconstruction : numpy.ndarray or torch.Tensor
-            ``(b, n)`` reconstructed inputs in any order.
-        reference : numpy.ndarray
-            ``(k, n)`` the samples the client trained on.
-
-        Returns
-        -------
-        Scored
-        """
-        from fl_attack.evaluation.metrics import evaluate_reconstruction
-
-        reference_t = torch.as_tensor(np.asarray(reference, dtype=np.float64))
-        if reference_t.ndim != 2 or reference_t.shape[0] == 0:
-            raise ValueError(f"ground truth must be a non-empty (k, n) array, got shape {tuple(reference_t.shape)}")
-        reconstructed = torch.as_tensor(reconstruction).detach().to("cpu", torch.float64)
-        if reconstructed.shape[1:] != reference_t.shape[1:]:
-            raise ValueError(
-                f"reconstruction rows have {reconstructed.shape[1]} features, the ground truth {reference_t.shape[1]}"
-            )
-        quality = evaluate_reconstruction(
-            reconstructed,
-            reference_t,
-            denormalize=self._denormalize,
-            image_shape=self.image_shape,
-        )
-        order = quality.order
-        matched = order >= 0
-        summary = {key: value for key, value in quality.summary().items() if key != "psnr"}
-        return Scored(
-            reconstructed_images=self.images(reconstructed[order[matched]]),
-            reference_images=self.images(reference_t[matched]),
-            quality=summary,
-            psnr=[float(value) for value in quality.psnr],
-        )
+        return ReconstructionScorer.from_image_data(data)
+    if isinstance(data, TabularData):
+        return TabularScorer(data.schema, dataset=data.features)
+    if isinstance(data, (TabularSchema, OrdinalSchema)):
+        return TabularScorer(data)
+    raise ValueError(
+        f"kind='tabular' needs a TabularData, a TabularSchema or an OrdinalSchema, got {type(data).__name__}"
+    )

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 
+from fl_attack.pipeline.deadline import (
+    chunk_rows,
+    eigh_seconds,
+    elementwise_seconds,
+    expired,
+    map_rows,
+    matmul_seconds,
+)
 from fl_attack.pipeline.decompose import LowRankFactors
 from fl_attack.pipeline.sparsity import (
     ZeroTolerance,
@@ -13,7 +24,6 @@ from fl_attack.pipeline.sparsity import (
     refine_on_zeros,
     zero_masks,
 )
-
 
 #: Two kernels of the same sample differ by up to ~this many times the relative noise
 #: ``s_{b+1}/s_b`` in angle: after local FedAvg steps some of their b - 1 "zeros" are only
@@ -63,8 +73,16 @@ class CandidatePool:
         the sparsity ranking of noisy gradients.
     """
 
-    def __init__(self, factors: LowRankFactors, tolerance: ZeroTolerance, *, min_zeros: int,
-                 weak_min_zeros: int, cos_tolerance: float, min_excess: float = 6.0) -> None:
+    def __init__(
+        self,
+        factors: LowRankFactors,
+        tolerance: ZeroTolerance,
+        *,
+        min_zeros: int,
+        weak_min_zeros: int,
+        cos_tolerance: float,
+        min_excess: float = 6.0,
+    ) -> None:
         self.factors = factors
         self.tolerance = tolerance
         self.min_zeros = min_zeros
@@ -84,22 +102,27 @@ class CandidatePool:
     def __len__(self) -> int:
         return int(self.directions.shape[0])
 
-    def add(self, proposals: torch.Tensor) -> int:
+    def add(self, proposals: torch.Tensor, *, deadline: float = math.inf) -> int:
         """Refine, filter and deduplicate ``(k, b)`` proposals; returns how many new confident
-        or weak candidates were stored."""
+        or weak candidates were stored.
+
+        The work runs in chunks: at ``deadline`` the proposals not yet processed are dropped.
+        """
         if proposals.shape[0] == 0:
             return 0
-        self.proposals_seen += int(proposals.shape[0])
         proposals = proposals[torch.isfinite(proposals).all(dim=1)]
         # cheap first pass: most proposals are duplicates of each other or too dense
-        proposals = normalize_columns(proposals)
-        proposals = proposals[deduplicate(proposals, cos_tolerance=self.cos_tolerance)]
-        counts = zero_masks(self.factors, proposals, self.tolerance).sum(dim=1)
-        sparse = counts >= self.factors.batch_size - 1
-        proposals = proposals[sparse]
+        proposals = self._unique_sparse(normalize_columns(proposals), deadline)
         if proposals.shape[0] == 0:
             return 0
-        proposals = normalize_columns(refine_on_zeros(self.factors, proposals, self.tolerance))
+        m, b = self.factors.left.shape
+        refine_seconds = 2 * (matmul_seconds(2.0 * m * b * b + 2.0 * m * b) + eigh_seconds(b))
+        proposals = map_rows(
+            lambda chunk: normalize_columns(refine_on_zeros(self.factors, chunk, self.tolerance)),
+            proposals,
+            seconds_per_row=refine_seconds,
+            deadline=deadline,
+        )
         proposals = proposals[torch.isfinite(proposals).all(dim=1) & (proposals.norm(dim=1) > 0.5)]
         counts = zero_masks(self.factors, proposals, self.tolerance).sum(dim=1)
         excess = excess_zeros(self.factors, proposals, self.tolerance, counts)
@@ -132,6 +155,32 @@ class CandidatePool:
         self.excess = torch.cat([self.excess, excess[kept]], dim=0)
         return int(kept.numel()) + new_weak
 
+    def _unique_sparse(self, unit: torch.Tensor, deadline: float) -> torch.Tensor:
+        """The unit proposals that repeat no earlier one and have at least ``b - 1`` zeros.
+
+        Processed in chunks of rows until ``deadline``; counts them in ``proposals_seen``.
+        """
+        m, b = self.factors.left.shape
+        total = unit.shape[0]
+        seconds = matmul_seconds(2.0 * b * (total + m)) + elementwise_seconds(2.0 * (total + m))
+        size = chunk_rows(seconds, device=unit.device)
+        kept = []
+        for start in range(0, total, size):
+            if expired(deadline):
+                break
+            stop = min(total, start + size)
+            # a row repeats an earlier one (kept or not) when their |cosine| is close to 1
+            similar = (unit[start:stop] @ unit[:stop].T).abs() > 1.0 - self.cos_tolerance
+            earlier = (
+                torch.arange(stop, device=unit.device)[None, :]
+                < torch.arange(start, stop, device=unit.device)[:, None]
+            )
+            chunk = unit[start:stop][~(similar & earlier).any(dim=1)]
+            self.proposals_seen += stop - start
+            counts = zero_masks(self.factors, chunk, self.tolerance).sum(dim=1)
+            kept.append(chunk[counts >= b - 1])
+        return torch.cat(kept, dim=0) if kept else unit[:0]
+
     def _remember_mixtures(self, mixtures: torch.Tensor, counts: torch.Tensor) -> int:
         """Store sparse mixtures; returns how many new weak candidates were stored."""
         if mixtures.shape[0] == 0:
@@ -149,3 +198,29 @@ class CandidatePool:
         """Weak candidates (see ``weak_min_zeros``) and their zero counts."""
         keep = self.mixture_counts >= self.weak_min_zeros
         return self.mixtures[keep], self.mixture_counts[keep]
+
+
+def informative_rows(
+    factors: LowRankFactors, tolerance: ZeroTolerance
+) -> tuple[LowRankFactors, torch.Tensor]:
+    """Drop neurons whose gradient row is zero for the whole batch: they constrain nothing.
+
+    Returns the factors restricted to the other rows and the ``(m,)`` boolean mask of those rows.
+    """
+    active = factors.left.norm(dim=1) > tolerance.absolute
+    return replace(factors, left=factors.left[active].contiguous()), active
+
+
+def is_member(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Which of the ``(k, b)`` ``rows`` are (up to sign and float64 digits) rows of ``pool``."""
+    if pool.shape[0] == 0:
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (pool / pool.norm(dim=1, keepdim=True)).T
+    return (similarity.abs() > 1 - 1e-9).any(dim=1)
+
+
+def rows_not_in(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The ``rows`` that are not (up to sign and float64 digits) rows of ``chosen``."""
+    if rows.shape[0] == 0 or chosen.shape[0] == 0:
+        return rows
+    return rows[~is_member(rows, chosen)]

@@ -7,9 +7,61 @@ from dataclasses import dataclass
 
 import torch
 
-#: A singular-value gap at least this large is taken as the noise-free rank cut
-#: (float32 rounding puts the tail about six orders of magnitude below the signal).
+#: Without a known rounding floor, a singular-value gap at least this large is taken as the
+#: noise-free rank cut (float32 rounding of a gradient puts the tail about six orders of
+#: magnitude below the signal).
 CLEAN_GAP = 1e3
+
+#: Rounding alone leaves singular values below this many times the rounding floor of
+#: :func:`rounding_floor` (measured: 0.2x for float32 weights differenced after one step,
+#: 0.9-1.6x for float32 autograd gradients); values above it are signal.
+ROUNDING_EDGE = 4.0
+
+#: The smallest gap ``s_b / s_{b+1}`` accepted as a clean rank cut when the values below it
+#: are at the rounding floor, or form a flat noise bulk.
+MIN_CLEAN_GAP = 10.0
+
+#: The smallest gap accepted (as a noisy cut) between samples barely above the rounding floor
+#: and the rounding below them.
+MIN_ROUNDING_GAP = 3.0
+
+#: The smallest gap accepted (as a noisy cut) above a flat noise bulk; within a Gaussian
+#: bulk consecutive singular values differ by far less (largest ratio ~1.2-1.5).
+MIN_BULK_GAP = 5.0
+
+
+def rounding_floor(
+    weight_grad: torch.Tensor, *, unit_roundoff: float, weight: torch.Tensor | None = None
+) -> float:
+    """The largest singular value that floating-point rounding alone gives an observed update.
+
+    The rounding error of each entry is below ``unit_roundoff`` times its magnitude: the
+    update's own (a gradient computed in that precision), plus the weight's when the update is
+    a difference of weights rounded to that precision (``W - lr * g`` in float32 loses the
+    digits of a small step below those of ``W``). Errors of rms ``e`` on the ``m'`` non-zero
+    rows of an ``(m, n)`` update have singular values below about ``e (sqrt(m') + sqrt(n))``.
+
+    Parameters
+    ----------
+    weight_grad
+        ``(m, n)`` observed update (any float dtype).
+    unit_roundoff
+        ``torch.finfo(dtype).eps`` of the precision the update was computed in.
+    weight
+        ``(m, n)`` layer weight the update was taken at, when the update may be a difference
+        of weights; None counts the update's own rounding only.
+    """
+    if not unit_roundoff > 0 or not math.isfinite(unit_roundoff):
+        raise ValueError(f"unit_roundoff must be positive and finite, got {unit_roundoff}")
+    update = weight_grad.double()
+    rows = update.abs().amax(dim=1) > 0  # rows of neurons dead for the batch stay exact zeros
+    count = int(rows.sum())
+    if count == 0:
+        return 0.0
+    rms = float(update[rows].square().mean().sqrt())
+    if weight is not None:
+        rms += float(weight.double()[rows].square().mean().sqrt())
+    return unit_roundoff * rms * (math.sqrt(count) + math.sqrt(update.shape[1]))
 
 
 def _gavish_donoho_omega(beta: float) -> float:
@@ -31,22 +83,44 @@ class SpectrumEstimate:
         ``s_{b+1} / s_b``: how strongly the tail perturbs the recovered subspace. About
         ``1e-7`` for a clean float32 gradient, approaching 1 under heavy DP noise.
     noisy
-        True when no clean gap was found and the Gavish-Donoho threshold was used.
+        True when no clean gap was found: the batch stands above noise (a noise bulk, the
+        Gavish-Donoho threshold, or rounding only a few times below the weakest sample).
+    rounding_floor
+        The largest singular value rounding alone could give (:func:`rounding_floor`); 0 when
+        unknown.
     """
 
     batch_size: int
     gap: float
     relative_noise: float
     noisy: bool
+    rounding_floor: float = 0.0
 
 
-def estimate_batch_size(singular_values: torch.Tensor, *, shape: tuple[int, int]) -> SpectrumEstimate:
+def estimate_batch_size(
+    singular_values: torch.Tensor, *, shape: tuple[int, int], rounding_floor: float | None = None
+) -> SpectrumEstimate:
     """Estimate the batch size from the singular values of the weight gradient.
 
-    A clean gradient has a gap of several orders of magnitude after the ``b``-th singular
-    value even in float32; it is found as the largest log-gap. Without such a gap (DP noise)
-    the rank is the number of singular values above the Gavish-Donoho threshold computed
-    from the median singular value.
+    In order:
+
+    1. With a known ``rounding_floor``: the singular values above what rounding alone gives
+       (``ROUNDING_EDGE`` times the floor) are the batch, when the next one is at least
+       ``MIN_CLEAN_GAP`` times smaller. This holds at any learning rate: a small FedSGD step
+       differenced in float32 leaves the rounding of the weights, far above that of the
+       step, so no fixed gap separates signal from rounding. When the weakest samples are
+       only a few times above the floor, the largest gap (at least ``MIN_ROUNDING_GAP``) into
+       the rounding is the batch, marked ``noisy``.
+    2. The largest log-gap between non-zero singular values, when at least ``CLEAN_GAP``.
+    3. The largest log-gap, when at least ``MIN_BULK_GAP`` and followed by a flat noise bulk
+       (three or more values spread no wider than a Marchenko-Pastur bulk allows), marked
+       ``noisy``: DP noise, or rounding of weights when the floor is not known. Unlike the
+       Gavish-Donoho threshold this is not misled by exact zeros below the bulk.
+    4. The number of non-zero singular values, when the rest are exact zeros (neurons dead
+       for the whole batch, or an exactly low-rank float64 update) and, with a known floor,
+       the smallest non-zero one is above rounding.
+    5. Otherwise (DP noise) the number of singular values above the Gavish-Donoho threshold
+       computed from the median singular value (``noisy``).
 
     Parameters
     ----------
@@ -54,6 +128,8 @@ def estimate_batch_size(singular_values: torch.Tensor, *, shape: tuple[int, int]
         Singular values in decreasing order.
     shape
         ``(m, n)`` of the gradient, for the aspect ratio of the noise threshold.
+    rounding_floor
+        :func:`rounding_floor` of the observed update, if known.
 
     Raises
     ------
@@ -65,20 +141,37 @@ def estimate_batch_size(singular_values: torch.Tensor, *, shape: tuple[int, int]
     if s.numel() == 0 or s[0] <= 0:
         raise ValueError("the gradient has no non-zero singular value")
     full = s.numel()
+    floor = float(rounding_floor) if rounding_floor is not None else 0.0
     tiny = s[0] * torch.finfo(torch.float64).eps * max(shape)
     # exact zeros come from neurons dead for the whole batch (or exact low-rank input): they
-    # are not part of the noise tail, so the gap is searched among the non-zero values only
+    # are not part of the noise tail, so gaps are searched among the non-zero values only
     nonzero = int((s > tiny).sum())
+
+    def clean(b: int) -> SpectrumEstimate:
+        following = float(s[b]) if b < full else 0.0
+        gap = float(s[b - 1]) / following if following > 0 else math.inf
+        return SpectrumEstimate(b, gap, following / float(s[b - 1]), False, floor)
+
+    if floor > 0:
+        signal = int((s > ROUNDING_EDGE * floor).sum())
+        if 1 <= signal < full and (signal >= nonzero or float(s[signal - 1] / s[signal]) >= MIN_CLEAN_GAP):
+            return clean(signal)
+        cut = _rounding_cut(s[:nonzero], floor)
+        if cut is not None:
+            return SpectrumEstimate(cut, float(s[cut - 1] / s[cut]), float(s[cut] / s[cut - 1]), True, floor)
     log_s = torch.log(s[:nonzero])
     gaps = log_s[:-1] - log_s[1:]
     if gaps.numel():
         best = int(torch.argmax(gaps))
         best_gap = math.exp(float(gaps[best]))
         if best_gap >= CLEAN_GAP:
+            return clean(best + 1)
+        if best_gap >= MIN_BULK_GAP and _flat_bulk(s[best + 1 : nonzero], shape):
+            # a noise bulk of unknown origin (DP noise, or rounding the floor did not account for)
             b = best + 1
-            return SpectrumEstimate(b, best_gap, float(s[b] / s[b - 1]), False)
-    if nonzero < full:
-        return SpectrumEstimate(nonzero, math.inf, float(s[nonzero] / s[nonzero - 1]), False)
+            return SpectrumEstimate(b, best_gap, float(s[b] / s[b - 1]), True, floor)
+    if nonzero < full and float(s[nonzero - 1]) > ROUNDING_EDGE * floor:
+        return clean(nonzero)
     beta = min(shape) / max(shape)
     threshold = _gavish_donoho_omega(beta) * float(torch.median(s))
     b = int((s > threshold).sum())
@@ -92,11 +185,48 @@ def estimate_batch_size(singular_values: torch.Tensor, *, shape: tuple[int, int]
             b = full
     if b == 0 or b >= full:
         largest = math.exp(float(gaps.max())) if gaps.numel() else 1.0
+        rounding = ""
+        if floor > 0:
+            above = int((s > ROUNDING_EDGE * floor).sum())
+            rounding = (
+                f", or the update's weakest samples are lost in float rounding ({above} singular values"
+                f" stand above its rounding floor {floor:.3g}: a learning rate this small keeps too few digits)"
+            )
         raise ValueError(
             f"no low-rank structure in the gradient spectrum (largest gap x{largest:.3g}):"
             f" the batch size is probably >= min(m, n) = {min(shape)}, which no exact attack can invert"
+            + rounding
         )
-    return SpectrumEstimate(b, float(s[b - 1] / s[b]), float(s[b] / s[b - 1]), True)
+    return SpectrumEstimate(b, float(s[b - 1] / s[b]), float(s[b] / s[b - 1]), True, floor)
+
+
+def _rounding_cut(s: torch.Tensor, floor: float) -> int | None:
+    """The batch size of an update whose weakest samples are only a few times above rounding.
+
+    The largest gap ``s_k / s_{k+1}`` (at least ``MIN_ROUNDING_GAP``) among the cuts whose
+    next value is within rounding (below ``ROUNDING_EDGE`` times the floor) and whose last
+    value is above the floor itself; None when there is none.
+    """
+    if s.numel() < 2:
+        return None
+    gaps = s[:-1] / s[1:]
+    allowed = (s[1:] <= ROUNDING_EDGE * floor) & (s[:-1] > floor)
+    if not bool(allowed.any()):
+        return None
+    gaps = torch.where(allowed, gaps, torch.zeros_like(gaps))
+    best = int(torch.argmax(gaps))
+    return best + 1 if float(gaps[best]) >= MIN_ROUNDING_GAP else None
+
+
+def _flat_bulk(tail: torch.Tensor, shape: tuple[int, int]) -> bool:
+    """Whether singular values look like the bulk of a noise matrix: three or more, spread
+    no wider than four times the Marchenko-Pastur ratio of the non-zero part of the update."""
+    if tail.numel() < 3:
+        return False
+    small, large = math.sqrt(tail.numel()), math.sqrt(max(shape))
+    if large <= small:
+        return True
+    return float(tail[0] / tail[-1]) <= 4.0 * (large + small) / (large - small)
 
 
 @dataclass(frozen=True)
@@ -119,7 +249,9 @@ class LowRankFactors:
         return int(self.left.shape[1])
 
 
-def decompose(weight_grad: torch.Tensor, *, batch_size: int | None = None) -> LowRankFactors:
+def decompose(
+    weight_grad: torch.Tensor, *, batch_size: int | None = None, rounding_floor: float | None = None
+) -> LowRankFactors:
     """SVD-based low-rank decomposition of a weight gradient (SPEAR++ Sec. 4.1).
 
     Preconditioning ``L <- (L L^T)^{-1/2}``-style whitening of the SVD factor
@@ -132,6 +264,8 @@ def decompose(weight_grad: torch.Tensor, *, batch_size: int | None = None) -> Lo
         ``(m, n)`` float64 gradient (or update proportional to it).
     batch_size
         Use this rank instead of the spectrum estimate.
+    rounding_floor
+        :func:`rounding_floor` of the update, if known (see :func:`estimate_batch_size`).
 
     Raises
     ------
@@ -145,7 +279,7 @@ def decompose(weight_grad: torch.Tensor, *, batch_size: int | None = None) -> Lo
         u, vh = u_t.T, v_t.T
     else:
         u, s, vh = torch.linalg.svd(weight_grad, full_matrices=False)
-    spectrum = estimate_batch_size(s, shape=(m, n))
+    spectrum = estimate_batch_size(s, shape=(m, n), rounding_floor=rounding_floor)
     if batch_size is not None:
         if not 1 <= batch_size < min(m, n):
             raise ValueError(
@@ -154,7 +288,9 @@ def decompose(weight_grad: torch.Tensor, *, batch_size: int | None = None) -> Lo
             )
         b = batch_size
         tail = float(s[b] / s[b - 1]) if b < s.numel() and s[b - 1] > 0 else 0.0
-        spectrum = SpectrumEstimate(b, 1.0 / tail if tail > 0 else math.inf, tail, spectrum.noisy)
+        spectrum = SpectrumEstimate(
+            b, 1.0 / tail if tail > 0 else math.inf, tail, spectrum.noisy, spectrum.rounding_floor
+        )
     else:
         b = spectrum.batch_size
         if b >= min(m, n):

@@ -32,7 +32,6 @@ confident model, a layer that is not followed by the output layer) costs time, n
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,6 +39,14 @@ import numpy as np
 import torch
 
 from fl_attack.pipeline.candidates import CandidatePool
+from fl_attack.pipeline.deadline import (
+    eigh_seconds,
+    elementwise_seconds,
+    expired,
+    map_rows,
+    matmul_seconds,
+    qr_seconds,
+)
 from fl_attack.pipeline.decompose import LowRankFactors
 from fl_attack.pipeline.search import SphereSchedule, Surrogate, optimize_on_sphere, random_directions
 from fl_attack.pipeline.sparsity import ZeroTolerance, kernel_of_smallest, least_squares_kernel, zero_masks
@@ -244,8 +251,9 @@ class HeadRounds:
     generator
         The attack's random generator.
     deadline
-        ``time.perf_counter()`` value after which :meth:`propose` returns nothing and a running
-        search stops early.
+        ``time.perf_counter()`` value (the attack's search deadline) after which :meth:`propose`
+        returns nothing; a running search and its rounding stop at it within one chunk of work
+        (:mod:`fl_attack.pipeline.deadline`) and return what they finished.
     noisy
         Noisy gradient: proposals stay least-squares estimates (no rounding to ``b - 1`` rows).
     schedule
@@ -299,6 +307,34 @@ class HeadRounds:
         self.searches = 0
         self.initializations = 0
 
+    @classmethod
+    def for_pool(
+        cls,
+        pool: CandidatePool,
+        prior: HeadPrior,
+        *,
+        generator: torch.Generator,
+        deadline: float,
+        noisy: bool,
+    ) -> HeadRounds:
+        """Head rounds for an attack's candidate pool: its factors, zero tolerance and weak threshold.
+
+        ``generator``, ``deadline`` and ``noisy`` are the attack's (see the class parameters).
+        """
+        return cls(
+            pool.factors,
+            prior,
+            tolerance=pool.tolerance,
+            min_zeros=pool.weak_min_zeros,
+            generator=generator,
+            deadline=deadline,
+            noisy=noisy,
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Searches run and initializations optimized so far, for the attack's stats."""
+        return {"head_searches": self.searches, "head_initializations": self.initializations}
+
     def propose(self, known: torch.Tensor, *, avoid: torch.Tensor | None = None) -> torch.Tensor:
         """Two searches' ``(k, b)`` float64 proposals, repelled from ``known`` and ``avoid``.
 
@@ -309,7 +345,7 @@ class HeadRounds:
         """
         left = self.factors.left
         b = left.shape[1]
-        if time.perf_counter() > self.deadline:
+        if expired(self.deadline):
             return left.new_zeros(0, b)
         known = known.to(torch.float64)
         repel = known if avoid is None else torch.cat([known, avoid.to(torch.float64)])
@@ -319,7 +355,7 @@ class HeadRounds:
         sparse = first[zero_masks(self.factors, first, self.tolerance).sum(dim=1) >= self.min_zeros]
         centres = torch.cat([known, sparse])[: MAX_ROUND_INITIALIZATIONS // self.ring_starts]
         estimates = [first]
-        if centres.shape[0] and time.perf_counter() <= self.deadline:
+        if centres.shape[0] and not expired(self.deadline):
             starts, classes = self._ring_starts(centres)
             estimates.append(self._search(starts, classes, torch.cat([repel, sparse])))
         estimate = torch.cat(estimates)
@@ -329,7 +365,14 @@ class HeadRounds:
         # with non-negative inputs many neurons are active for few samples, their rows span
         # little, and that kernel lands anywhere, while a converged estimate is already exact
         # to float precision: keep both, the pool refines on all zeros and deduplicates
-        return torch.cat([estimate, kernel_of_smallest(self.factors, estimate, rows=b - 1)])
+        m = left.shape[0]
+        rounded = map_rows(
+            lambda chunk: kernel_of_smallest(self.factors, chunk, rows=b - 1),
+            estimate,
+            seconds_per_row=matmul_seconds(2.0 * m * b) + elementwise_seconds(2.0 * m) + qr_seconds(b),
+            deadline=self.deadline,
+        )
+        return torch.cat([estimate, rounded])
 
     def classify(self, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The class and orientation (``+-1``) whose signs each ``(f, b)`` direction contradicts least.
@@ -366,28 +409,53 @@ class HeadRounds:
         return starts, classes.repeat_interleave(self.ring_starts)
 
     def _search(self, starts: torch.Tensor, classes: torch.Tensor, repel: torch.Tensor) -> torch.Tensor:
-        """One sign-aware search: least-squares polished unit directions of its minima."""
+        """One sign-aware search: least-squares polished unit directions of its minima.
+
+        Both the optimization and the polish stop at the deadline; the result then holds the
+        polished minima of a prefix of ``starts``.
+        """
         left = self.factors.left
         m, b = left.shape
         left_fast = left.to(self.dtype)
-        surrogate = sign_aware_l1(
-            self.prior.signs[classes].to(self.dtype),
-            left=left_fast,
-            repel=repel.to(self.dtype) if repel.shape[0] else None,
-            repel_cos=self.repel_cos,
-            repel_weight=self.repel_weight,
-        )
-        minima = optimize_on_sphere(
-            left_fast,
-            starts.to(self.dtype),
-            surrogate=surrogate,
-            schedule=self.schedule,
+        away = repel.to(self.dtype) if repel.shape[0] else None
+
+        def optimize(indices: torch.Tensor) -> torch.Tensor:
+            # one surrogate per chunk of starts: its sign rows must match the points optimized
+            surrogate = sign_aware_l1(
+                self.prior.signs[classes[indices]].to(self.dtype),
+                left=left_fast,
+                repel=away,
+                repel_cos=self.repel_cos,
+                repel_weight=self.repel_weight,
+            )
+            return optimize_on_sphere(
+                left_fast,
+                starts[indices].to(self.dtype),
+                surrogate=surrogate,
+                schedule=self.schedule,
+                deadline=self.deadline,
+            ).to(torch.float64)
+
+        step_seconds = matmul_seconds(4.0 * m * b) + elementwise_seconds(2.0 * m)
+        if away is not None:
+            step_seconds += matmul_seconds(4.0 * b * (m + away.shape[0]))
+        minima = map_rows(
+            optimize,
+            torch.arange(starts.shape[0], device=left.device),
+            seconds_per_row=self.schedule.steps * step_seconds,
             deadline=self.deadline,
-        ).to(torch.float64)
+        )
         self.searches += 1
-        self.initializations += int(starts.shape[0])
+        self.initializations += int(minima.shape[0])
         rows = min(m, max(b - 1, int(self.polish_fraction * m)))
-        return least_squares_kernel(self.factors, minima, rows=rows)
+        return map_rows(
+            lambda chunk: least_squares_kernel(self.factors, chunk, rows=rows),
+            minima,
+            seconds_per_row=matmul_seconds(2.0 * m * b + 2.0 * rows * b * b)
+            + elementwise_seconds(2.0 * m)
+            + eigh_seconds(b),
+            deadline=self.deadline,
+        )
 
 
 def interleave_head_rounds(

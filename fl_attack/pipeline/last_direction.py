@@ -19,10 +19,10 @@ updates of each other, and a Cholesky attempt of ``G - eps I`` screens them chea
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
+from fl_attack.pipeline.deadline import cholesky_seconds, chunk_rows, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors
 from fl_attack.pipeline.sparsity import ZeroTolerance
 
@@ -38,12 +38,19 @@ def _scan_line(
     minimum: int,
     tolerance: float,
     chunk: int,
+    deadline: float,
 ) -> list[tuple[float, torch.Tensor]]:
-    """Near-exact kernels of the patterns of ``alpha * slope + bias <= 0`` over all ``alpha``."""
+    """Near-exact kernels of the patterns of ``alpha * slope + bias <= 0`` over all ``alpha``.
+
+    The patterns are screened in chunks; the ones not reached by ``deadline`` are skipped.
+    """
     b = left.shape[1]
     usable = slope != 0
-    breakpoints = torch.where(usable, -bias / torch.where(usable, slope, torch.ones_like(slope)),
-                              torch.full_like(slope, float("inf")))
+    breakpoints = torch.where(
+        usable,
+        -bias / torch.where(usable, slope, torch.ones_like(slope)),
+        torch.full_like(slope, float("inf")),
+    )
     order = torch.argsort(breakpoints)
     ordered = breakpoints[order]
     finite = torch.isfinite(ordered)
@@ -51,8 +58,13 @@ def _scan_line(
     if ordered.numel() == 0:
         return []
     # one probe per interval between consecutive breakpoints, plus one beyond each end
-    probes = torch.cat([ordered[:1] - 1.0 - ordered[:1].abs(), (ordered[:-1] + ordered[1:]) / 2,
-                        ordered[-1:] + 1.0 + ordered[-1:].abs()])
+    probes = torch.cat(
+        [
+            ordered[:1] - 1.0 - ordered[:1].abs(),
+            (ordered[:-1] + ordered[1:]) / 2,
+            ordered[-1:] + 1.0 + ordered[-1:].abs(),
+        ]
+    )
     first_inactive = (probes[0] * slope + bias) <= 0
     steps = torch.where(slope[order] < 0, 1, -1)
     counts = torch.cat([first_inactive.sum()[None], first_inactive.sum() + torch.cumsum(steps, dim=0)])
@@ -62,12 +74,17 @@ def _scan_line(
     eye = torch.eye(b, dtype=left.dtype, device=left.device)
     found: list[tuple[float, torch.Tensor]] = []
     for start in range(0, probes.numel(), chunk):
+        if expired(deadline):
+            break
         stop = min(start + chunk, probes.numel())
         index = torch.arange(start, stop, device=left.device)
         flips = index[index > 0] - 1
         rows = left[order[flips]]
-        grams = gram + torch.cumsum(signs[flips, None, None] * rows[:, :, None] * rows[:, None, :], dim=0) \
-            if flips.numel() else gram[None]
+        grams = (
+            gram + torch.cumsum(signs[flips, None, None] * rows[:, :, None] * rows[:, None, :], dim=0)
+            if flips.numel()
+            else gram[None]
+        )
         if flips.numel() < index.numel():  # the first chunk starts with the initial pattern itself
             grams = torch.cat([gram[None], grams], dim=0)
         gram = grams[-1]
@@ -84,7 +101,7 @@ def _scan_line(
             continue
         eigenvalues, eigenvectors = torch.linalg.eigh(kept_grams[hits])
         residual = eigenvalues[:, 0].clamp_min(0).sqrt() / kept_counts[hits].sqrt()
-        for value, vector in zip(residual.tolist(), eigenvectors[:, :, 0]):
+        for value, vector in zip(residual.tolist(), eigenvectors[:, :, 0], strict=True):
             if value <= 10.0 * tolerance:
                 found.append((value, vector))
     return found
@@ -118,8 +135,10 @@ def scan_missing_directions(
         Zero tolerance of unit gradient columns.
     min_zeros
         Patterns with fewer inactive neurons are not considered.
+    chunk
+        Most patterns screened at once (fewer for large ``b``, to bound each chunk's time).
     deadline
-        ``time.perf_counter()`` value after which the ``d = 2`` scan stops.
+        ``time.perf_counter()`` value after which the scans stop (both ``d = 1`` and ``d = 2``).
 
     Returns
     -------
@@ -132,22 +151,40 @@ def scan_missing_directions(
     if missing not in (1, 2) or b < 2:
         return left.new_zeros(0, b)
     complete, _ = torch.linalg.qr(found.T, mode="complete")
-    dual = complete[:, b - missing:]  # (b, d): orthogonal to every found direction
+    dual = complete[:, b - missing :]  # (b, d): orthogonal to every found direction
     slopes = pre_activation_basis @ dual  # (m, d)
     minimum = max(min_zeros, b - 1)
+    chunk = min(chunk, chunk_rows(cholesky_seconds(b) + matmul_seconds(4.0 * b * b), device=left.device))
     hits: list[tuple[float, torch.Tensor]] = []
     if missing == 1:
-        hits = _scan_line(left, slopes[:, 0], bias, minimum=minimum, tolerance=tolerance.absolute, chunk=chunk)
+        hits = _scan_line(
+            left,
+            slopes[:, 0],
+            bias,
+            minimum=minimum,
+            tolerance=tolerance.absolute,
+            chunk=chunk,
+            deadline=deadline,
+        )
     else:
         lines = int(max(8, min(4 * m, PAIR_SCAN_FLOPS / (m * b**3 / 3 + 1))))
         offset = 0.5 * math.pi / lines
         for k in range(lines):
-            if time.perf_counter() > deadline:
+            if expired(deadline):
                 break
             angle = offset + math.pi * k / lines
             slope = math.cos(angle) * slopes[:, 0] + math.sin(angle) * slopes[:, 1]
-            hits.extend(_scan_line(left, slope, bias, minimum=minimum, tolerance=tolerance.absolute,
-                                   chunk=chunk))
+            hits.extend(
+                _scan_line(
+                    left,
+                    slope,
+                    bias,
+                    minimum=minimum,
+                    tolerance=tolerance.absolute,
+                    chunk=chunk,
+                    deadline=deadline,
+                )
+            )
     if not hits:
         return left.new_zeros(0, b)
     hits.sort(key=lambda item: item[0])

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from fl_attack.pipeline.deadline import chunk_rows, elementwise_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors
 from fl_attack.pipeline.sparsity import ZeroTolerance, zero_masks
 
@@ -37,6 +38,7 @@ def split_mixtures(
     *,
     partners: int = 3,
     chunk: int = 4096,
+    deadline: float = math.inf,
 ) -> torch.Tensor:
     """Propose directions hidden in the planes spanned by a mixture and a found direction.
 
@@ -53,6 +55,10 @@ def split_mixtures(
     partners
         Each mixture is paired with the found directions whose zero sets overlap it most
         (a mixture's zeros are a subset of each constituent's zeros).
+    chunk
+        Most pairs processed at once (fewer on wide layers, to bound each chunk's time).
+    deadline
+        ``time.perf_counter()`` value after which no further chunk of pairs is processed.
 
     Returns
     -------
@@ -73,16 +79,24 @@ def split_mixtures(
     pair_found = partner_index.reshape(-1)
     # angular width: a unit column's zero is perturbed by `absolute`, its entries are ~1/sqrt(m)
     width = float(min(0.05, max(1e-7, 10.0 * tolerance.absolute * math.sqrt(left.shape[0]))))
+    m = left.shape[0]
+    chunk = min(
+        chunk,
+        chunk_rows(
+            matmul_seconds(4.0 * m * b) + elementwise_seconds(8.0 * m * math.log2(m)), device=left.device
+        ),
+    )
     proposals = []
     for start in range(0, pair_mix.numel(), chunk):
-        c = mixtures[pair_mix[start:start + chunk]]
-        f = found[pair_found[start:start + chunk]]
+        if expired(deadline):
+            break
+        c = mixtures[pair_mix[start : start + chunk]]
+        f = found[pair_found[start : start + chunk]]
         along_c = c @ left.T
         along_f = f @ left.T
         angles = torch.atan(-along_c / torch.where(along_f == 0, torch.full_like(along_f, 1e-300), along_f))
         # neurons at theta = 0 or pi/2 are zeros of c or f themselves: move them out of the way
         trivial = (along_c.abs() <= tolerance.absolute) | (along_f.abs() <= tolerance.absolute)
-        m = angles.shape[1]
         spread = (torch.arange(m, device=left.device, dtype=angles.dtype) + 0.5) * (math.pi / m) - math.pi / 2
         angles = torch.where(trivial, spread.expand_as(angles), angles)
         counts, centre = _densest_angle(angles, width)

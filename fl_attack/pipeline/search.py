@@ -8,11 +8,19 @@ columns of the disaggregation matrix are local minima of the ``l1`` surrogate (S
 from __future__ import annotations
 
 import math
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
+from fl_attack.pipeline.deadline import (
+    chunk_rows,
+    elementwise_seconds,
+    expired,
+    map_rows,
+    matmul_seconds,
+    qr_seconds,
+)
 
 SurrogateGrad = Callable[[torch.Tensor, float], torch.Tensor]
 
@@ -71,8 +79,15 @@ class SphereSchedule:
         return self.lr * self.decay ** sum(step >= milestone for milestone in self.milestones)
 
 
-def random_directions(count: int, size: int, *, generator: torch.Generator, avoid: torch.Tensor | None = None,
-                      dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
+def random_directions(
+    count: int,
+    size: int,
+    *,
+    generator: torch.Generator,
+    avoid: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Uniform unit directions, optionally restricted to the orthogonal complement of ``avoid`` rows.
 
     Restricting later restarts to the complement of already found directions steers them
@@ -97,6 +112,10 @@ def optimize_on_sphere(
 ) -> torch.Tensor:
     """Minimize ``sum_j f((left @ q)_j)`` over unit ``q`` for every row of ``initial`` at once.
 
+    The optimizers are the sphere versions of geoopt's ``RiemannianAdam`` and
+    ``RiemannianSGD`` (same update, transport and retraction), written out here: geoopt's
+    optimizers import ``torch._dynamo`` on first use, seconds that no deadline can interrupt.
+
     Parameters
     ----------
     left
@@ -106,48 +125,100 @@ def optimize_on_sphere(
     surrogate
         The sparsity surrogate ``f``.
     optimizer
-        ``"radam"`` (Riemannian Adam from geoopt) or ``"pgd"`` (projected subgradient descent).
+        ``"radam"`` (Riemannian Adam) or ``"pgd"`` (projected subgradient descent).
     schedule
         Steps and learning-rate decay.
     smoothing
         Scale of the ``logcosh`` surrogate; defaults to ``0.1 / sqrt(m)``, a tenth of the
         typical entry of a unit gradient column.
     deadline
-        ``time.perf_counter()`` value at which to stop early and return the current points.
+        ``time.perf_counter()`` value at which to stop (checked within every step) and return
+        the current points.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; available: {list(OPTIMIZERS)}")
-    import geoopt  # slow to import (it compiles TorchScript); only the search needs it
-
     m = left.shape[0]
     mu = smoothing if smoothing is not None else 0.1 / math.sqrt(m)
     left_t = left.T.contiguous()
-    point = geoopt.ManifoldParameter(initial.clone(), manifold=geoopt.Sphere())
-    if optimizer == "radam":
-        opt: torch.optim.Optimizer = geoopt.optim.RiemannianAdam([point], lr=schedule.lr)
-    else:
-        opt = geoopt.optim.RiemannianSGD([point], lr=schedule.lr)
+    state = _RiemannianAdam(initial) if optimizer == "radam" else _RiemannianSGD(initial)
+    count, size = initial.shape
+    # rows are independent: one step runs in chunks so the deadline is checked within it too
+    rows = chunk_rows(matmul_seconds(4.0 * m * size) + elementwise_seconds(2.0 * m), device=initial.device)
     # entries of converged directions and Adam's second moments underflow into subnormal
     # floats, which are orders of magnitude slower on CPUs
     flush = torch.set_flush_denormal(True)
     try:
-        for step in range(schedule.steps):
-            if step % 25 == 0 and time.perf_counter() > deadline:
-                break
-            for group in opt.param_groups:
-                group["lr"] = schedule.lr_at(step)
-            with torch.no_grad():
-                values = point @ left_t  # (k, m)
-                grad = surrogate.derivative(values, mu) @ left  # (k, b)
-                if optimizer == "pgd":
-                    # normalized subgradient: the step length is set by the schedule alone
-                    grad = grad / grad.norm(dim=1, keepdim=True).clamp_min(1e-30)
-            point.grad = grad
-            opt.step()
+        with torch.no_grad():
+            for step in range(schedule.steps):
+                lr = schedule.lr_at(step)
+                for start in range(0, count, rows):
+                    if expired(deadline):
+                        return state.point.clone()
+                    part = slice(start, start + rows)
+                    values = state.point[part] @ left_t  # (rows, m)
+                    grad = surrogate.derivative(values, mu) @ left  # (rows, b)
+                    if optimizer == "pgd":
+                        # normalized subgradient: the step length is set by the schedule alone
+                        grad = grad / grad.norm(dim=1, keepdim=True).clamp_min(1e-30)
+                    state.step(grad, lr=lr, rows=part, step=step + 1)
     finally:
         if flush:
             torch.set_flush_denormal(False)
-    return point.detach().clone()
+    return state.point.clone()
+
+
+def _tangent(point: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """Project each row of ``vector`` onto the tangent space of the sphere at that row of ``point``."""
+    return vector - (point * vector).sum(dim=-1, keepdim=True) * point
+
+
+def _retract(point: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    moved = point + step
+    return moved / moved.norm(dim=-1, keepdim=True)
+
+
+class _RiemannianSGD:
+    """Riemannian gradient descent on the unit sphere, one point per row (no momentum)."""
+
+    def __init__(self, initial: torch.Tensor) -> None:
+        self.point = initial.clone()
+
+    def step(self, grad: torch.Tensor, *, lr: float, rows: slice, step: int) -> None:
+        """Move ``point[rows]`` along ``-grad`` (Euclidean gradients of those rows)."""
+        point = self.point[rows]
+        self.point[rows] = _retract(point, -lr * _tangent(point, grad))
+
+
+class _RiemannianAdam:
+    """Riemannian Adam (Becigneul & Ganea, 2019) on the unit sphere, one point per row.
+
+    The second moment is the squared norm of each row's Riemannian gradient, and the first
+    moment is transported to the new point by projection, as in geoopt.
+    """
+
+    def __init__(
+        self, initial: torch.Tensor, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+    ) -> None:
+        self.point = initial.clone()
+        self.betas = betas
+        self.eps = eps
+        self.exp_avg = torch.zeros_like(initial)
+        self.exp_avg_sq = torch.zeros_like(initial)
+
+    def step(self, grad: torch.Tensor, *, lr: float, rows: slice, step: int) -> None:
+        """Step ``step`` (from 1) of ``point[rows]``, given the Euclidean gradients of those rows."""
+        beta1, beta2 = self.betas
+        point, exp_avg, exp_avg_sq = self.point[rows], self.exp_avg[rows], self.exp_avg_sq[rows]
+        rgrad = _tangent(point, grad)
+        exp_avg.mul_(beta1).add_(rgrad, alpha=1 - beta1)
+        # one value per row, held per entry like geoopt so that results agree to the last bit
+        squared_norm = (rgrad * rgrad).sum(dim=-1, keepdim=True).expand_as(rgrad)
+        exp_avg_sq.mul_(beta2).add_(squared_norm, alpha=1 - beta2)
+        denom = exp_avg_sq.div(1 - beta2**step).sqrt_().add_(self.eps)
+        direction = exp_avg.div(1 - beta1**step) / denom
+        moved = _retract(point, -lr * direction)
+        self.point[rows] = moved
+        self.exp_avg[rows] = _tangent(moved, exp_avg)
 
 
 def sampling_rounding(
@@ -157,21 +228,28 @@ def sampling_rounding(
     pool_fraction: float,
     samples: int,
     generator: torch.Generator,
+    deadline: float = math.inf,
 ) -> torch.Tensor:
     """SPEAR++ Sec. 4.4: round approximate minima by kernels of randomly chosen small rows.
 
     For each approximate ``q`` the ``pool_fraction * m`` entries of ``left @ q`` closest to
     zero form a pool; ``samples`` random ``(b-1)``-subsets of it each give a proposal
-    ``ker(L_A)``. Returns ``(k * samples, b)`` proposals.
+    ``ker(L_A)``. Returns ``(k * samples, b)`` proposals, or those of the first minima
+    processed by ``deadline`` (the work runs in chunks).
     """
     m, b = left.shape
     pool = max(b - 1, min(m, int(round(pool_fraction * m))))
-    values = (approximate @ left.T).abs()
-    smallest = torch.topk(values, k=pool, dim=1, largest=False).indices  # (k, pool)
-    k = approximate.shape[0]
-    keys = torch.rand(k, samples, pool, generator=generator, dtype=torch.float64).to(left.device)
-    picks = torch.argsort(keys, dim=2)[:, :, : b - 1]  # random (b-1)-subsets of the pool
-    rows = torch.gather(smallest.unsqueeze(1).expand(-1, samples, -1), 2, picks)
-    submatrices = left[rows.reshape(k * samples, b - 1)]
-    q, _ = torch.linalg.qr(submatrices.transpose(1, 2), mode="complete")
-    return q[:, :, -1]
+
+    def rounded(chunk: torch.Tensor) -> torch.Tensor:
+        k = chunk.shape[0]
+        values = (chunk @ left.T).abs()
+        smallest = torch.topk(values, k=pool, dim=1, largest=False).indices  # (k, pool)
+        keys = torch.rand(k, samples, pool, generator=generator, dtype=torch.float64).to(left.device)
+        picks = torch.argsort(keys, dim=2)[:, :, : b - 1]  # random (b-1)-subsets of the pool
+        rows = torch.gather(smallest.unsqueeze(1).expand(-1, samples, -1), 2, picks)
+        submatrices = left[rows.reshape(k * samples, b - 1)]
+        q, _ = torch.linalg.qr(submatrices.transpose(1, 2), mode="complete")
+        return q[:, :, -1]
+
+    seconds = matmul_seconds(2.0 * m * b) + samples * (qr_seconds(b) + elementwise_seconds(8.0 * pool))
+    return map_rows(rounded, approximate, seconds_per_row=seconds, deadline=deadline)

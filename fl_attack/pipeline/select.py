@@ -9,14 +9,21 @@ independent directions exist (SPEAR++ Sec. 4.5).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
+from fl_attack.pipeline.deadline import (
+    chunk_rows,
+    elementwise_seconds,
+    expired,
+    lstsq_seconds,
+    matmul_seconds,
+    qr_seconds,
+)
 from fl_attack.pipeline.decompose import LowRankFactors
-from fl_attack.types import ObservedUpdate
 from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.types import ObservedUpdate
 
 #: Residual norm below which a unit direction counts as dependent on those already chosen.
 RANK_TOLERANCE = 1e-6
@@ -112,6 +119,17 @@ class SparsityMatchingScorer:
         return q_inv @ self.factors.right
 
 
+def score_seconds(width: int, size: int) -> float:
+    """Estimated seconds that :meth:`SparsityMatchingScorer.score` spends on one set of ``size``
+    directions of a layer of ``width`` neurons (see :mod:`fl_attack.pipeline.deadline`)."""
+    return (
+        lstsq_seconds(width, size)
+        + matmul_seconds(6.0 * width * size * size)
+        + 2 * qr_seconds(size)
+        + elementwise_seconds(4.0 * width * size)
+    )
+
+
 def _safe_inverse(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverses of ``(..., b, b)`` matrices by QR, with a flag for the singular ones.
 
@@ -134,7 +152,7 @@ def orthonormal_completion(directions: torch.Tensor, size: int) -> torch.Tensor:
     if directions.shape[0] == 0:
         return torch.eye(size, dtype=torch.float64, device=directions.device)
     q, _ = torch.linalg.qr(directions.T, mode="complete")
-    return q[:, directions.shape[0]:].T
+    return q[:, directions.shape[0] :].T
 
 
 def sparsest_independent(candidates: torch.Tensor, zero_counts: torch.Tensor, size: int) -> list[int]:
@@ -202,15 +220,18 @@ def select(
         found_mask = torch.arange(b, device=candidates.device) < found
         per_sample, q_inv = scorer.score(directions)
         per_sample = torch.where(found_mask, per_sample, torch.zeros_like(per_sample))
-        return Selection(directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean()))
+        return Selection(
+            directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
+        )
 
     directions = candidates[chosen].clone()
     per_sample, _ = scorer.score(directions)
     chosen_set = set(chosen)
-    unused = sorted((i for i in range(candidates.shape[0]) if i not in chosen_set),
-                    key=lambda i: -float(zero_counts[i]))
+    unused = sorted(
+        (i for i in range(candidates.shape[0]) if i not in chosen_set), key=lambda i: -float(zero_counts[i])
+    )
     for _ in range(max_swap_rounds):
-        if not unused or bool((per_sample >= good_enough).all()) or time.perf_counter() > deadline:
+        if not unused or bool((per_sample >= good_enough).all()) or expired(deadline):
             break
         improved = _best_swap(scorer, directions, per_sample, candidates, unused, deadline, good_enough)
         if improved is None:
@@ -223,7 +244,9 @@ def select(
         per_sample = new_scores
     _, q_inv = scorer.score(directions)
     found_mask = torch.ones(b, dtype=torch.bool, device=candidates.device)
-    return Selection(directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean()))
+    return Selection(
+        directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
+    )
 
 
 def _best_swap(
@@ -245,25 +268,27 @@ def _best_swap(
     positions = torch.argsort(per_sample).tolist()
     positions = positions[: max(8, int(SWAP_FLOPS * 8 // (per_set * pool.shape[0])))]
     best: tuple[float, int, int, torch.Tensor] | None = None
-    # try the worst-matching positions first; each is one batched evaluation over the pool
+    size = chunk_rows(score_seconds(m, b), device=directions.device)
+    # try the worst-matching positions first; each is a batched evaluation over the pool, in
+    # chunks so that the deadline is checked within it (the best swap so far stays valid)
     for position in positions:
-        if per_sample[position] >= good_enough or time.perf_counter() > deadline:
+        if per_sample[position] >= good_enough or expired(deadline):
             break
-        trial = directions.expand(pool.shape[0], -1, -1).clone()
-        trial[:, position] = pool
-        scores, _ = scorer.score(trial)
-        totals = scores.sum(dim=1)
-        index = int(torch.argmax(totals))
-        gain = float(totals[index]) - current
-        if gain > 1e-12 and (best is None or gain > best[0]):
-            best = (gain, position, index, scores[index])
+        for start in range(0, pool.shape[0], size):
+            if expired(deadline):
+                break
+            chunk = pool[start : start + size]
+            trial = directions.expand(chunk.shape[0], -1, -1).clone()
+            trial[:, position] = chunk
+            scores, _ = scorer.score(trial)
+            totals = scores.sum(dim=1)
+            index = int(torch.argmax(totals))
+            gain = float(totals[index]) - current
+            if gain > 1e-12 and (best is None or gain > best[0]):
+                best = (gain, position, start + index, scores[index])
     if best is None:
         return None
     return best[1], best[2], best[3]
-
-
-#: Trial sets scored together while pruning (bounds memory at ~ chunk * m * b doubles).
-_PRUNE_CHUNK = 32
 
 
 def prune_doubtful(
@@ -291,12 +316,12 @@ def prune_doubtful(
     kept = selection.directions[selection.found]
     kept = kept / kept.norm(dim=1, keepdim=True)
     floor = max(1, math.ceil((1.0 - max_pruned_fraction) * b))
-    current = _kept_matching(scorer, kept[None], b)[0]
-    while kept.shape[0] > floor and time.perf_counter() < deadline:
+    current = _no_deadline(_kept_matching(scorer, kept[None], b))[0]
+    while kept.shape[0] > floor and not expired(deadline):
         k = kept.shape[0]
         # a dropped row's own matching must not count: compare the other rows only
         others = (current.sum() - current) / (k - 1)
-        leave_one_out = torch.stack([torch.cat([kept[:i], kept[i + 1:]]) for i in range(k)])
+        leave_one_out = torch.stack([torch.cat([kept[:i], kept[i + 1 :]]) for i in range(k)])
         trials = _kept_matching(scorer, leave_one_out, b, deadline=deadline)
         if trials is None:
             break
@@ -311,7 +336,7 @@ def prune_doubtful(
         if helpful.numel() > 1:
             # several at once only when the extra drops do not hurt the rows that stay
             bulk = _keep_mask(k, helpful, kept.device)
-            bulk_value = _kept_matching(scorer, kept[bulk][None], b)[0]
+            bulk_value = _no_deadline(_kept_matching(scorer, kept[bulk][None], b))[0]
             single_on_bulk = value[bulk[mask]]
             if float(bulk_value.mean()) >= float(single_on_bulk.mean()) + min_gain:
                 mask, value = bulk, bulk_value
@@ -331,16 +356,26 @@ def _keep_mask(size: int, drop: torch.Tensor, device: torch.device) -> torch.Ten
     return mask
 
 
-def _kept_matching(scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: int, *,
-                   deadline: float = math.inf) -> torch.Tensor | None:
+def _no_deadline(values: torch.Tensor | None) -> torch.Tensor:
+    """The matching of a call made without a deadline (which therefore always returns)."""
+    assert values is not None
+    return values
+
+
+def _kept_matching(
+    scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: int, *, deadline: float = math.inf
+) -> torch.Tensor | None:
     """Per-row matching ``(s, k)`` of the kept rows of each ``(s, k, b)`` set completed to
     ``b`` rows; None when the deadline passes first."""
     sets, k = kept_sets.shape[0], kept_sets.shape[1]
+    m = scorer.factors.left.shape[0]
+    # bounded memory (~ size * m * b doubles) and time between deadline checks
+    size = min(32, chunk_rows(score_seconds(m, b) + qr_seconds(b), device=kept_sets.device))
     values = []
-    for start in range(0, sets, _PRUNE_CHUNK):
-        if time.perf_counter() > deadline:
+    for start in range(0, sets, size):
+        if expired(deadline):
             return None
-        chunk = kept_sets[start:start + _PRUNE_CHUNK]
+        chunk = kept_sets[start : start + size]
         if k < b:
             basis, _ = torch.linalg.qr(chunk.transpose(-1, -2), mode="complete")
             chunk = torch.cat([chunk, basis[..., k:].transpose(-1, -2)], dim=-2)

@@ -13,8 +13,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fl_attack.pipeline.deadline import (
+    eigh_seconds,
+    elementwise_seconds,
+    map_rows,
+    matmul_seconds,
+    qr_seconds,
+)
 from fl_attack.pipeline.decompose import LowRankFactors
-
 
 #: On noisy gradients an entry within this many predicted noise deviations of 0 is a zero:
 #: it balances the true zeros missed against the small non-zeros admitted (measured on
@@ -43,11 +49,11 @@ class ZeroTolerance:
     noise_sigmas: float = NOISE_SIGMAS
 
     @classmethod
-    def from_noise(cls, relative_noise: float, *, width: int, factor: float = 30.0) -> "ZeroTolerance":
+    def from_noise(cls, relative_noise: float, *, width: int, factor: float = 30.0) -> ZeroTolerance:
         scale = min(max(factor * relative_noise, 1e-10), 0.5)
         return cls(absolute=scale / math.sqrt(width), relative_noise=relative_noise)
 
-    def with_entry_noise(self, entry_noise: float, singular_values: torch.Tensor) -> "ZeroTolerance":
+    def with_entry_noise(self, entry_noise: float, singular_values: torch.Tensor) -> ZeroTolerance:
         """This tolerance with per-direction thresholds for gradient noise of std ``entry_noise``.
 
         ``singular_values`` are the ``b`` retained singular values of the gradient.
@@ -66,6 +72,7 @@ class ZeroTolerance:
         """Zero threshold of each unit direction, shape ``unit_directions.shape[:-1]``."""
         if not self.per_direction:
             return unit_directions.new_full(unit_directions.shape[:-1], self.absolute)
+        assert self.inverse_singular_values is not None  # set with per_direction
         inverse = self.inverse_singular_values.to(device=unit_directions.device, dtype=unit_directions.dtype)
         spread = (unit_directions * inverse).norm(dim=-1)
         return (self.noise_sigmas * self.entry_noise * spread).clamp_min(1e-300)
@@ -80,7 +87,9 @@ def min_sparsity(width: int, *, false_rejection: float) -> float:
     log_half_m = -width * math.log(2.0)
     cumulative = 0.0
     for i in range(width + 1):
-        cumulative += math.exp(math.lgamma(width + 1) - math.lgamma(i + 1) - math.lgamma(width - i + 1) + log_half_m)
+        cumulative += math.exp(
+            math.lgamma(width + 1) - math.lgamma(i + 1) - math.lgamma(width - i + 1) + log_half_m
+        )
         if cumulative > false_rejection:
             return i / width
     return 1.0
@@ -118,8 +127,9 @@ def zero_masks(factors: LowRankFactors, directions: torch.Tensor, tolerance: Zer
     return (unit @ factors.left.T).abs() <= tolerance.thresholds(unit)[:, None]
 
 
-def excess_zeros(factors: LowRankFactors, directions: torch.Tensor, tolerance: ZeroTolerance,
-                 counts: torch.Tensor) -> torch.Tensor:
+def excess_zeros(
+    factors: LowRankFactors, directions: torch.Tensor, tolerance: ZeroTolerance, counts: torch.Tensor
+) -> torch.Tensor:
     """How many standard deviations ``counts`` zeros exceed what a dense column would show.
 
     Under noise a direction's threshold can be wide enough that even a dense unit column
@@ -166,6 +176,29 @@ def kernel_of_smallest(factors: LowRankFactors, directions: torch.Tensor, *, row
         return vh[:, -1, :]
     q, _ = torch.linalg.qr(submatrices.transpose(1, 2), mode="complete")  # (k, b, b)
     return q[:, :, -1]
+
+
+def round_minima(
+    factors: LowRankFactors, minima: torch.Tensor, *, rows: int, exact: bool, deadline: float = math.inf
+) -> torch.Tensor:
+    """Round the sphere search's minima: least-squares kernel of their ``rows`` smallest rows,
+    then (``exact``) the exact kernel of the ``b - 1`` smallest.
+
+    Runs in chunks and stops at ``deadline``: returns the rounded directions of the minima
+    processed by then, in order (a prefix of ``minima``).
+    """
+    m, b = factors.left.shape
+    seconds = (
+        matmul_seconds(4.0 * m * b + 2.0 * rows * b * b) + elementwise_seconds(2.0 * m) + eigh_seconds(b)
+    )
+    if exact:
+        seconds += qr_seconds(b)
+
+    def rounded(chunk: torch.Tensor) -> torch.Tensor:
+        estimate = least_squares_kernel(factors, chunk, rows=rows)
+        return kernel_of_smallest(factors, estimate, rows=b - 1) if exact else estimate
+
+    return map_rows(rounded, minima, seconds_per_row=seconds, deadline=deadline)
 
 
 def refine_on_zeros(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,3 +38,13 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
         yield point
     finally:
         subprocess.run([umount, str(point)], capture_output=True, text=True, check=True)
+
+
+@pytest.fixture(autouse=True)
+def no_attack_left_running() -> Iterator[None]:
+    """Abandoned attack threads (thread isolation keeps a timed-out attack running until it
+    returns) must not steal the CPU from the tests that follow: wait for them here."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("fl-attack") and thread is not threading.current_thread():
+            thread.join(timeout=120.0)

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl_attack import Spear, SpearPlusPlus
 from fl_attack.audit.protocol import GROUND_TRUTH_INPUTS, GROUND_TRUTH_KEY
 from fl_attack.results.store import INPUTS_FILE
 
@@ -44,10 +42,7 @@ from .helpers import (
     start_run,
     stored_metrics,
     training_content,
-    victim_arrays,
 )
-
-torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -333,11 +328,6 @@ VANISHED = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="error replies never reach the Auditor: the wrapper drops them (training_replies) before "
-    "audit_round, so a vanished client leaves no record (fix: honest_but_curious.py + auditor.py)",
-)
 @pytest.mark.parametrize("case", list(VANISHED))
 def test_a_vanished_client_is_recorded_with_its_error(case: str, tmp_path: Path) -> None:
     run = start_run(tmp_path / "run")
@@ -485,11 +475,6 @@ def test_a_full_disk_loses_no_stored_attack_and_training_finishes(tiny_disk: Pat
     assert [path for path in run.store.directory.rglob("*") if path.name.endswith(".tmp")] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Auditor._keep logs a failed store.save but never appends to Auditor.store_failures, "
-    "so the ServerApp's AuditStoreError never fires (fix: auditor.py _keep)",
-)
 def test_a_full_disk_lists_every_lost_attack_in_store_failures(tiny_disk: Path) -> None:
     run, lost = _fill_the_disk(tiny_disk)
 
@@ -500,74 +485,3 @@ def test_a_full_disk_lists_every_lost_attack_in_store_failures(tiny_disk: Path) 
 
 
 # ---------------------------------------------------------- 6. validation at the public API
-
-
-def _observed_update() -> dict[str, np.ndarray]:
-    global_arrays = victim_arrays()
-    client, _ = fedsgd_arrays(global_arrays, seed=1)
-    weight = global_arrays[WEIGHT].astype(np.float64)
-    bias = global_arrays[BIAS].astype(np.float64)
-    return {
-        "weight_grad": client[WEIGHT].astype(np.float64) - weight,
-        "bias_grad": client[BIAS].astype(np.float64) - bias,
-        "weight": weight,
-        "bias": bias,
-    }
-
-
-INVALID_CALLS = {
-    "time-budget-nan": (
-        {},
-        {"time_budget": math.nan},
-        "time_budget must be a positive, finite number of seconds, got nan",
-    ),
-    "time-budget-zero": (
-        {},
-        {"time_budget": 0},
-        "time_budget must be a positive, finite number of seconds, got 0",
-    ),
-    "time-budget-negative": (
-        {},
-        {"time_budget": -1},
-        "time_budget must be a positive, finite number of seconds, got -1",
-    ),
-    "batch-size-float": (
-        {},
-        {"batch_size": 10.0},
-        "batch_size must be a positive integer or None, got 10.0 (float)",
-    ),
-    "batch-size-bool": (
-        {},
-        {"batch_size": True},
-        "batch_size must be a positive integer or None, got True (bool)",
-    ),
-    "device-mps": (
-        {"device": "mps"},
-        {},
-        "device 'mps' was requested but this torch build has no MPS support on this machine",
-    ),
-}
-
-
-@pytest.mark.parametrize("attack", [SpearPlusPlus, Spear], ids=["spear++", "spear"])
-@pytest.mark.parametrize("case", list(INVALID_CALLS))
-def test_invalid_arguments_fail_at_the_public_api_in_one_line(case: str, attack: type[SpearPlusPlus]) -> None:
-    options, arguments, message = INVALID_CALLS[case]
-    if case == "device-mps" and torch.backends.mps.is_available():
-        pytest.skip("this machine has MPS")
-    start = time.perf_counter()
-    with pytest.raises(ValueError) as raised:
-        attack(progress=False, **options).invert(**_observed_update(), **arguments)  # type: ignore[arg-type]
-    assert str(raised.value) == message and "\n" not in message
-    assert (
-        Path(str(raised.traceback[-1].path)).name == "validation.py"
-    )  # checked up front, not deep in the search
-    assert time.perf_counter() - start < 5.0
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_a_cuda_device_without_cuda_fails_in_one_line() -> None:
-    with pytest.raises(ValueError) as raised:
-        SpearPlusPlus(device=torch.device("cuda"), progress=False).invert(**_observed_update())  # type: ignore[arg-type]
-    assert str(raised.value) == "device 'cuda' was requested but CUDA is not available on this machine"
-    assert Path(str(raised.traceback[-1].path)).name == "validation.py"

@@ -1,0 +1,1 @@
+"""tabular-example: Flower's fl-tabular income classifier, audited by fl-attack with one line."""

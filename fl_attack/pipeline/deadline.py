@@ -1,0 +1,112 @@
+"""Bounded chunks of batched work, so that every stage can stop at the attack's deadline.
+
+A deadline is a ``time.perf_counter()`` value (``math.inf``: none). Each stage splits its
+batched tensor work into chunks estimated to take :data:`CHUNK_SECONDS` and checks the
+deadline between chunks, so it overruns the deadline by about one chunk at most. The
+estimates come from a fixed cost model of the operations (below), never from timings, so
+chunk sizes depend only on the problem's shape and the device: the same seed gives the same
+reconstruction whenever the deadline is not reached.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+#: Target duration of one chunk of work between two deadline checks, on a CPU.
+CHUNK_SECONDS = 0.05
+
+#: Accelerators take this many times more rows per chunk (kernel launches dominate below it).
+ACCELERATOR_CHUNK_FACTOR = 100
+
+# Cost model, measured on one busy core of the 2-core CI machine (torch on one thread):
+# BLAS matrix products run at ~5-100 GFlop/s (batched small ones at the low end), while batched small LAPACK calls cost per matrix
+# roughly in proportion to its squared size (b = 20 / 100 / 190: eigh 0.16 / 3.4 / 12 ms,
+# complete QR 0.04 / 1.6 / 4.5 ms, Cholesky 0.005 / 0.4 / 1.1 ms).
+_SECONDS_PER_FLOP = 1e-10
+_EIGH_SECONDS_PER_SQUARE = 3.5e-7
+_QR_SECONDS_PER_SQUARE = 1.5e-7
+_CHOLESKY_SECONDS_PER_SQUARE = 4e-8
+_SECONDS_PER_ENTRY = 2e-9
+
+
+def matmul_seconds(flops: float) -> float:
+    """Estimated seconds of ``flops`` floating-point operations in matrix products."""
+    return flops * _SECONDS_PER_FLOP
+
+
+def lstsq_seconds(rows: int, columns: int) -> float:
+    """Estimated seconds of one least-squares solve with a ``rows x columns`` matrix."""
+    return 1e-9 * rows * columns * columns
+
+
+def elementwise_seconds(entries: float) -> float:
+    """Estimated seconds of a few element-wise passes (comparisons, sorting) over ``entries``."""
+    return entries * _SECONDS_PER_ENTRY
+
+
+def eigh_seconds(size: int) -> float:
+    """Estimated seconds of one symmetric eigendecomposition of a ``size x size`` matrix."""
+    return _EIGH_SECONDS_PER_SQUARE * size * size + matmul_seconds(4.0 * size**3)
+
+
+def qr_seconds(size: int) -> float:
+    """Estimated seconds of one (complete) QR decomposition of a ``size x size`` matrix."""
+    return _QR_SECONDS_PER_SQUARE * size * size + matmul_seconds(2.0 * size**3)
+
+
+def cholesky_seconds(size: int) -> float:
+    """Estimated seconds of one Cholesky factorization of a ``size x size`` matrix."""
+    return _CHOLESKY_SECONDS_PER_SQUARE * size * size + matmul_seconds(size**3 / 3.0)
+
+
+def expired(deadline: float) -> bool:
+    """Whether the ``time.perf_counter()`` value ``deadline`` has passed."""
+    return time.perf_counter() > deadline
+
+
+def chunk_rows(seconds_per_row: float, *, device: torch.device | None = None) -> int:
+    """How many rows of a batched computation fit in one chunk (at least one).
+
+    Parameters
+    ----------
+    seconds_per_row
+        Estimated seconds one row (one direction, one trial set) costs on a CPU, from the
+        cost model of this module.
+    device
+        Where the work runs: accelerators take :data:`ACCELERATOR_CHUNK_FACTOR` times more.
+    """
+    if not seconds_per_row > 0 or not math.isfinite(seconds_per_row):
+        raise ValueError(f"seconds_per_row must be positive and finite, got {seconds_per_row}")
+    rows = max(1, int(CHUNK_SECONDS / seconds_per_row))
+    if device is not None and device.type != "cpu":
+        rows *= ACCELERATOR_CHUNK_FACTOR
+    return rows
+
+
+def map_rows(
+    function: Callable[[torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    *,
+    seconds_per_row: float,
+    deadline: float = math.inf,
+) -> torch.Tensor:
+    """Apply a row-wise ``function`` to chunks of ``rows`` until the deadline passes.
+
+    Returns the results of the chunks that ran, concatenated in order: the results of a
+    prefix of ``rows`` (all of them when the deadline is not reached, none when it had
+    passed before the first chunk). ``function`` must accept any number of rows, zero
+    included, and return a tensor whose rows belong to its input rows in order.
+    """
+    size = chunk_rows(seconds_per_row, device=rows.device)
+    parts = []
+    for start in range(0, rows.shape[0], size):
+        if expired(deadline):
+            break
+        parts.append(function(rows[start : start + size]))
+    if not parts:
+        return function(rows[:0])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

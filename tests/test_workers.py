@@ -1,0 +1,66 @@
+"""The process runner: a worker process that is killed on timeout and recovers after failures."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fl_attack import Reconstruction
+from tests.test_audit_strategy import INPUT_DIM, WIDTH
+
+
+class PicklableAttacker:
+    """Module-level (so picklable) attacker for the worker process: behaviour by batch size."""
+
+    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
+        if kwargs["batch_size"] == 1:
+            time.sleep(60.0)
+        if kwargs["batch_size"] == 2:
+            raise ValueError("cannot invert")
+        if kwargs["batch_size"] == 3:
+            raise MemoryError("host memory exhausted")
+        inputs = torch.as_tensor(weight_grad[:2], dtype=torch.float64)
+        return Reconstruction(
+            inputs=inputs,
+            batch_size=2,
+            sparsity_matching=1.0,
+            complete=True,
+            confidence=torch.ones(2, dtype=torch.float64),
+            seconds=0.0,
+        )
+
+
+def test_process_isolation_kills_timeouts_and_recovers() -> None:
+    from fl_attack.audit.layer import LayerDelta as LayerUpdate
+    from fl_attack.audit.workers import ProcessAttackRunner
+
+    rng = np.random.default_rng(0)
+    update = LayerUpdate(
+        weight_delta=rng.standard_normal((WIDTH, INPUT_DIM)),
+        bias_delta=rng.standard_normal(WIDTH),
+        weight=rng.standard_normal((WIDTH, INPUT_DIM)),
+        bias=rng.standard_normal(WIDTH),
+    )
+    runner = ProcessAttackRunner(PicklableAttacker())
+    try:
+        ok = runner.run(update, batch_size=None, timeout=120.0)
+        assert ok.status == "ok"
+        np.testing.assert_array_equal(ok.reconstruction.inputs.numpy(), update.weight_delta[:2])
+        worker = runner._process  # pylint: disable=protected-access
+
+        slow = runner.run(update, batch_size=1, timeout=0.5)
+        assert slow.status == "timeout" and slow.seconds < 5.0
+        assert not worker.is_alive()  # the runaway attack was killed, not abandoned
+
+        failed = runner.run(update, batch_size=2, timeout=120.0)
+        assert failed.status == "error" and "cannot invert" in (failed.error or "")
+        assert failed.traceback and "ValueError" in failed.traceback
+        oom = runner.run(update, batch_size=3, timeout=120.0)
+        assert oom.status == "out-of-memory"
+        assert runner.run(update, batch_size=None, timeout=120.0).status == "ok"
+    finally:
+        runner.close()
+    assert runner._process is None  # pylint: disable=protected-access
