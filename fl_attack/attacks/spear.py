@@ -7,15 +7,22 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
+from fl_attack.pipeline.candidates import (
+    CandidatePool,
+    duplicate_cos_tolerance,
+    informative_rows,
+    is_member,
+    rows_not_in,
+)
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
+from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
@@ -66,6 +73,7 @@ class SearchState:
     active: torch.Tensor
     noisy: bool
     finish_by: float = math.inf
+    head: HeadPrior | None = None
 
 
 class GradientInversionAttack(ABC):
@@ -149,6 +157,7 @@ class GradientInversionAttack(ABC):
         batch_size: int | None = None,
         time_budget: float | None = None,
         noise_level: float | None = None,
+        head_weight: ArrayLike | None = None,
     ) -> Reconstruction:
         """Recover the inputs of the batch that produced a first-layer update.
 
@@ -167,6 +176,10 @@ class GradientInversionAttack(ABC):
             Overrides the attack's time budget for this call.
         noise_level
             Overrides the attack's known relative noise level for this call.
+        head_weight
+            ``(c, m)`` global weight of the output layer fed directly by this layer's ReLU: adds
+            proposals guided by its classes (:mod:`fl_attack.pipeline.head_structure`) under the
+            same deadline, filters, selection and self-check; one that does not fit costs time only.
 
         Returns
         -------
@@ -177,8 +190,10 @@ class GradientInversionAttack(ABC):
         Raises
         ------
         ValueError
-            On malformed input (shapes, NaN/Inf, all-zero gradient) or a batch size that no
-            exact attack can invert (``b >= min(m, n)``).
+            On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` not ``(c, m)``,
+            ``c >= 2``) or a batch size that no exact attack can invert (``b >= min(m, n)``).
+        TypeError
+            If ``head_weight`` is not a real numpy array or torch tensor.
         """
         start = time.perf_counter()
         check_time_budget(time_budget)
@@ -219,7 +234,7 @@ class GradientInversionAttack(ABC):
                 entry_noise * (math.sqrt(max(m - b, 1)) + math.sqrt(max(n - b, 1)))
             )
         scorer = SparsityMatchingScorer(update, factors, tolerance)
-        search_factors, active = _informative_rows(factors, tolerance)
+        search_factors, active = informative_rows(factors, tolerance)
         stats["informative_rows"] = int(active.sum())
         if active.sum() < b:
             raise ValueError(
@@ -241,6 +256,7 @@ class GradientInversionAttack(ABC):
             weak_min_zeros=weak_min_zeros,
             cos_tolerance=duplicate_cos_tolerance(relative_noise),
         )
+        prior = None if head_weight is None else HeadPrior.from_head_weight(head_weight, width=m, rows=active)
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
         state = SearchState(
             factors=search_factors,
@@ -255,6 +271,7 @@ class GradientInversionAttack(ABC):
             finish_by=start + budget + min(PRUNE_GRACE, PRUNE_GRACE_FRACTION * budget)
             if budget is not None
             else math.inf,
+            head=prior,
         )
         selection = self._run(state, scorer)
         accepted = self._accepted(selection)
@@ -313,6 +330,7 @@ class GradientInversionAttack(ABC):
         rounds = 0
         stale = 0
         show = self.progress
+        head: HeadRounds | None = None
         bar = tqdm(
             total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None, leave=False
         )
@@ -322,6 +340,15 @@ class GradientInversionAttack(ABC):
                 if b == 1
                 else self._proposals(state)
             )
+            if state.head is not None and b > 1:
+                head = HeadRounds.for_pool(
+                    state.pool,
+                    state.head,
+                    generator=state.generator,
+                    deadline=state.deadline,
+                    noisy=state.noisy,
+                )
+                proposals_iter = interleave_head_rounds(proposals_iter, head, pool=state.pool)
             for proposals in proposals_iter:
                 rounds += 1
                 new = state.pool.add(proposals, deadline=state.deadline)
@@ -356,6 +383,8 @@ class GradientInversionAttack(ABC):
         finally:
             bar.close()
         state.stats["rounds"] = rounds
+        if head is not None:
+            state.stats.update(head.stats())
         if best is None:
             best = self._select(state, scorer)
         if state.noisy and b > 1:
@@ -398,7 +427,7 @@ class GradientInversionAttack(ABC):
         for _ in range(self.split_rounds):
             if self._accepted(selection) or expired(state.deadline):
                 break
-            unselected = _rows_not_in(pool.directions, selection.directions[selection.found])
+            unselected = rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]
             mixtures = torch.cat([pool.mixtures, unselected, doubtful], dim=0)
             proposals = split_mixtures(
@@ -443,7 +472,7 @@ class GradientInversionAttack(ABC):
     ) -> torch.Tensor:
         """Scan for the one or two directions missing (or doubtful) in an otherwise good selection."""
         b = state.factors.batch_size
-        trusted = selection.found & _is_member(selection.directions, state.pool.directions)
+        trusted = selection.found & is_member(selection.directions, state.pool.directions)
         if selection.complete:
             trusted &= selection.per_sample >= self.accept_matching
         if int(trusted.sum()) not in (b - 1, b - 2):
@@ -469,26 +498,3 @@ def _better(candidate: Selection, incumbent: Selection) -> bool:
     key_c = (int(candidate.found.sum()), candidate.sparsity_matching)
     key_i = (int(incumbent.found.sum()), incumbent.sparsity_matching)
     return key_c > key_i
-
-
-def _is_member(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """Which of ``rows`` are (up to sign) rows of ``pool``."""
-    if pool.shape[0] == 0:
-        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (pool / pool.norm(dim=1, keepdim=True)).T
-    return (similarity.abs() > 1 - 1e-9).any(dim=1)
-
-
-def _rows_not_in(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    if rows.shape[0] == 0 or chosen.shape[0] == 0:
-        return rows
-    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (chosen / chosen.norm(dim=1, keepdim=True)).T
-    return rows[~(similarity.abs() > 1 - 1e-9).any(dim=1)]
-
-
-def _informative_rows(
-    factors: LowRankFactors, tolerance: ZeroTolerance
-) -> tuple[LowRankFactors, torch.Tensor]:
-    """Drop neurons whose gradient row is zero for the whole batch: they constrain nothing."""
-    active = factors.left.norm(dim=1) > tolerance.absolute
-    return replace(factors, left=factors.left[active].contiguous()), active

@@ -25,7 +25,7 @@ from fl_attack.simulate.secagg import SecAggPlusQuantization
 from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
 
 from .fallback import build_fallback
-from .layer import LayerDelta, LayerKeys, NamedArrays, layer_delta, layer_parameters, select_layer
+from .layer import LayerDelta, LayerKeys, NamedArrays, global_parameters, layer_delta, select_layer
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
 from .signature import UpdateSignature, magnitude_concentration, update_signature
@@ -181,7 +181,7 @@ class Auditor:
         self.records: list[AttackRecord] = []
         #: Why results could not be stored (a full disk, ...): the run must not end as a success.
         self.store_failures: list[str] = []
-        self._global_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._global_layer: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
 
     # ---------------------------------------------------------------- round API
 
@@ -195,9 +195,9 @@ class Auditor:
         return self.layer
 
     def start_round(self, server_round: int, global_arrays: NamedArrays) -> None:
-        """Remember the global layer sent to the clients in ``server_round``."""
+        """Remember the global layer (and the head that directly follows it) sent in ``server_round``."""
         layer = self.select_layer(global_arrays)
-        self._global_layer[server_round] = layer_parameters(global_arrays, layer)
+        self._global_layer[server_round] = global_parameters(global_arrays, layer)
 
     def audit_round(self, server_round: int, updates: Sequence[ClientUpdate]) -> list[AttackRecord]:
         """Attack the selected updates of a round; never raises for a single failed attack.
@@ -326,7 +326,7 @@ class Auditor:
         self,
         server_round: int,
         members: list[ClientUpdate],
-        global_layer: tuple[np.ndarray, np.ndarray],
+        global_layer: tuple[np.ndarray, np.ndarray, np.ndarray | None],
     ) -> AttackRecord | Prepared:
         """The observed update of one unit, or the record of why it cannot be attacked."""
         assert self.layer is not None
@@ -347,6 +347,7 @@ class Auditor:
             return self._failed(
                 server_round, members, "unreadable update: it contains NaN or Inf entries", None
             )
+        delta = dataclasses.replace(delta, head_weight=global_layer[2])  # attackers that take it get it
         return Prepared(server_round=server_round, members=members, delta=delta)
 
     def _run_job(

@@ -53,11 +53,17 @@ class LayerKeys:
     preceding : tuple[str, ...]
         Keys of the parameterised arrays that come before the layer in the model (empty
         when the layer is the model's first, so its inputs are the client's data).
+    head : str or None
+        Key of the output layer's ``(c, m)`` weight when it directly follows the layer (the
+        next array after the layer's bias, ``c >= 2`` classes, and the model's last weight:
+        a one-hidden-layer model); None otherwise. Its global value guides the exact attack
+        (``head_weight=`` of :meth:`fl_attack.SpearPlusPlus.invert`).
     """
 
     weight: str
     bias: str
     preceding: tuple[str, ...] = ()
+    head: str | None = None
 
     @property
     def input_space(self) -> str:
@@ -81,6 +87,27 @@ def _preceding(keys: list[str], weight: str, named: Mapping[str, np.ndarray]) ->
     return tuple(key for key in before if named[key].ndim >= 2)
 
 
+def _head(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarray]) -> str | None:
+    """The output layer's weight if it directly follows the layer (see :attr:`LayerKeys.head`)."""
+    rest = [key for key in keys[keys.index(weight) + 1 :] if key != bias]
+    if not rest:
+        return None
+    shape, width = named[rest[0]].shape, named[weight].shape[0]
+    if len(shape) != 2 or shape[1] != width or shape[0] < 2:
+        return None
+    # a later weight means more layers follow: the next layer is not the output layer
+    return rest[0] if all(named[key].ndim < 2 for key in rest[1:]) else None
+
+
+def _layer_keys(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarray]) -> LayerKeys:
+    return LayerKeys(
+        weight=weight,
+        bias=bias,
+        preceding=_preceding(keys, weight, named),
+        head=_head(keys, weight, bias, named),
+    )
+
+
 def select_layer(
     arrays: NamedArrays,
     *,
@@ -102,7 +129,8 @@ def select_layer(
     Returns
     -------
     LayerKeys
-        Canonical keys (without ``_module.``) and the layers that precede it.
+        Canonical keys (without ``_module.``), the layers that precede it and the output layer
+        that directly follows it, if any.
 
     Raises
     ------
@@ -126,14 +154,14 @@ def select_layer(
                 f"{weight!r} {weight_shape} and {bias!r} {bias_shape} are not a linear "
                 f"layer's (m, n) weight and (m,) bias; available keys: {_describe(named)}"
             )
-        return LayerKeys(weight=weight, bias=bias, preceding=_preceding(keys, weight, named))
+        return _layer_keys(keys, weight, bias, named)
     if bias_key:
         raise LayerNotFoundError("a bias key was given without its weight key")
     for position, key in enumerate(keys[:-1]):
         following = keys[position + 1]
         shape = named[key].shape
         if len(shape) == 2 and following == _default_bias_key(key) and named[following].shape == (shape[0],):
-            return LayerKeys(weight=key, bias=following, preceding=_preceding(keys, key, named))
+            return _layer_keys(keys, key, following, named)
     raise LayerNotFoundError(
         "no linear layer (a 2-D weight followed by its 1-D bias) found in the model; "
         f"available keys: {_describe(named)}"
@@ -154,18 +182,39 @@ def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray,
     )
 
 
+def global_parameters(
+    arrays: NamedArrays, layer: LayerKeys
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The layer's weight and bias and the head's weight (None without a head), float64 copies.
+
+    Raises
+    ------
+    LayerNotFoundError
+        If ``arrays`` lack the layer or its head.
+    """
+    weight, bias = layer_parameters(arrays, layer)
+    if layer.head is None:
+        return weight, bias, None
+    named = canonical_arrays(arrays)
+    if layer.head not in named:
+        raise LayerNotFoundError(f"head entry {layer.head!r} not found; available keys: {_describe(named)}")
+    return weight, bias, np.array(named[layer.head], dtype=np.float64, copy=True)
+
+
 @dataclass(frozen=True)
 class LayerDelta:
     """A client's change of the attacked layer and the global layer it started from (float64 numpy).
 
-    This is what the server observes before any validation; :meth:`observed` turns it into
-    the attack's :class:`fl_attack.types.ObservedUpdate`.
+    This is what the server observes before any validation. ``head_weight`` is the global
+    ``(c, m)`` weight of the output layer when it directly follows the attacked layer
+    (:attr:`LayerKeys.head`), else None.
     """
 
     weight_delta: np.ndarray
     bias_delta: np.ndarray
     weight: np.ndarray
     bias: np.ndarray
+    head_weight: np.ndarray | None = None
 
     def __add__(self, other: LayerDelta) -> LayerDelta:
         """The sum of two clients' changes of the same global layer (secure aggregation)."""
@@ -174,6 +223,7 @@ class LayerDelta:
             bias_delta=self.bias_delta + other.bias_delta,
             weight=self.weight,
             bias=self.bias,
+            head_weight=self.head_weight,
         )
 
 

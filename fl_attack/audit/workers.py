@@ -13,6 +13,7 @@ Two runners share one interface:
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import pickle
 import signal
@@ -54,6 +55,9 @@ class Attacker(Protocol):
         time_budget: float | None = None,
     ) -> Any:
         """Recover the layer inputs behind ``(weight_grad, bias_grad)``.
+
+        An attacker whose ``invert`` also takes ``head_weight=`` is given the global weight of
+        the output layer when it directly follows the attacked layer (:func:`accepts_head_weight`).
 
         Returns an object with an ``inputs`` attribute holding the ``(b, n)``
         reconstructed inputs (a :class:`fl_attack.Reconstruction`).
@@ -107,8 +111,27 @@ def _release_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def accepts_head_weight(attacker: Attacker) -> bool:
+    """Whether the attacker's ``invert`` takes ``head_weight=`` (SPEAR, SPEAR++; not every attack)."""
+    try:
+        parameters = inspect.signature(attacker.invert).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented invert without a signature
+        return False
+    head = parameters.get("head_weight")
+    return head is not None and head.kind in (
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+
+
 def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time_budget: float | None) -> Any:
-    """The only call into the attacker: the observed update and the global layer."""
+    """The only call into the attacker: the observed update and the global layer (and the
+    global head weight of a one-hidden-layer model, for attackers that take it)."""
+    extra = (
+        {}
+        if update.head_weight is None or not accepts_head_weight(attacker)
+        else {"head_weight": update.head_weight}
+    )
     return attacker.invert(
         update.weight_delta,
         update.bias_delta,
@@ -116,6 +139,7 @@ def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time
         bias=update.bias,
         batch_size=batch_size,
         time_budget=time_budget,
+        **extra,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -197,3 +198,29 @@ class CandidatePool:
         """Weak candidates (see ``weak_min_zeros``) and their zero counts."""
         keep = self.mixture_counts >= self.weak_min_zeros
         return self.mixtures[keep], self.mixture_counts[keep]
+
+
+def informative_rows(
+    factors: LowRankFactors, tolerance: ZeroTolerance
+) -> tuple[LowRankFactors, torch.Tensor]:
+    """Drop neurons whose gradient row is zero for the whole batch: they constrain nothing.
+
+    Returns the factors restricted to the other rows and the ``(m,)`` boolean mask of those rows.
+    """
+    active = factors.left.norm(dim=1) > tolerance.absolute
+    return replace(factors, left=factors.left[active].contiguous()), active
+
+
+def is_member(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Which of the ``(k, b)`` ``rows`` are (up to sign and float64 digits) rows of ``pool``."""
+    if pool.shape[0] == 0:
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    similarity = (rows / rows.norm(dim=1, keepdim=True)) @ (pool / pool.norm(dim=1, keepdim=True)).T
+    return (similarity.abs() > 1 - 1e-9).any(dim=1)
+
+
+def rows_not_in(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The ``rows`` that are not (up to sign and float64 digits) rows of ``chosen``."""
+    if rows.shape[0] == 0 or chosen.shape[0] == 0:
+        return rows
+    return rows[~is_member(rows, chosen)]

@@ -1,0 +1,146 @@
+"""The auditor hands the global output-layer weight to attacks on one-hidden-layer models."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fl_attack import SpearPlusPlus
+from fl_attack.attacks.cocktail_party import CocktailPartyAttack
+from fl_attack.audit import Auditor
+from fl_attack.audit.layer import LayerDelta, global_parameters, select_layer
+from fl_attack.audit.observations import ClientIdentity, ClientUpdate
+from fl_attack.audit.workers import accepts_head_weight, run_attack
+from fl_attack.data.images import load_dataset
+from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.simulate.victims import build_victim
+
+WIDTH, BATCH, LR = 200, 8, 0.1
+
+
+class HeadSpy(SpearPlusPlus):
+    """SPEAR++ that remembers the ``head_weight`` each call received."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.heads: list[np.ndarray | None] = []
+
+    def invert(self, *args: Any, head_weight: Any = None, **kwargs: Any) -> Any:
+        self.heads.append(None if head_weight is None else np.array(head_weight))
+        return super().invert(*args, head_weight=head_weight, **kwargs)
+
+
+def _arrays(model: nn.Module) -> dict[str, np.ndarray]:
+    return {key: value.detach().numpy().copy() for key, value in model.state_dict().items()}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Four threes and four eights of the bundled digits: same-class pairs defeat the plain search."""
+    data = load_dataset("digits")
+    chosen = torch.cat([torch.nonzero(data.labels == label).flatten()[: BATCH // 2] for label in (3, 8)])
+    return data.images[chosen].reshape(BATCH, -1), data.labels[chosen]
+
+
+def _audit(depth: int, attacker: Any) -> tuple[Auditor, dict[str, np.ndarray], torch.Tensor]:
+    """One FedSGD round of one client of a ``depth``-linear-layer victim, audited in this thread."""
+    inputs, labels = _batch()
+    model = build_victim("spear++", input_dim=inputs.shape[1], width=WIDTH, depth=depth, seed=0)
+    global_arrays = _arrays(model)
+    client = copy.deepcopy(model)
+    gradients = torch.autograd.grad(
+        nn.functional.cross_entropy(client(inputs), labels), list(client.parameters())
+    )
+    with torch.no_grad():
+        for parameter, gradient in zip(client.parameters(), gradients, strict=True):
+            parameter.sub_(LR * gradient)
+    auditor = Auditor(attacker, batch_size=BATCH, time_budget=30.0)
+    auditor.start_round(1, global_arrays)
+    update = ClientUpdate(identity=ClientIdentity(node_id=7, partition_id=0), arrays=_arrays(client))
+    auditor.audit_round(1, [update])
+    auditor.close()
+    return auditor, global_arrays, inputs
+
+
+def test_a_one_hidden_layer_model_gets_its_global_head_and_is_recovered_exactly() -> None:
+    spy = HeadSpy(seed=0, progress=False)
+    auditor, global_arrays, inputs = _audit(2, spy)
+    assert auditor.layer is not None and auditor.layer.head == "3.weight"
+    (head,) = spy.heads
+    assert head is not None and np.array_equal(head, global_arrays["3.weight"].astype(np.float64))
+    (record,) = auditor.records
+    assert record.status == "ok" and record.verdict == "exact", record.verdict_reason
+    assert record.attack["complete"] is True and record.attack["head_searches"] >= 1
+    assert record.inputs is not None
+    quality = evaluate_reconstruction(torch.as_tensor(record.inputs), inputs.double())
+    assert quality.exact_fraction == 1.0 and float(quality.psnr.min()) > 90.0
+
+
+def test_a_deeper_model_passes_no_head() -> None:
+    spy = HeadSpy(seed=0, progress=False, time_budget=5.0)
+    auditor, _, _ = _audit(4, spy)
+    assert auditor.layer is not None and auditor.layer.head is None
+    assert spy.heads == [None]
+    (record,) = auditor.records
+    assert "head_searches" not in record.attack
+
+
+def test_an_attack_without_head_weight_is_called_without_it() -> None:
+    # the Cocktail Party attack takes no head_weight: it is left out, not passed and failing
+    assert accepts_head_weight(SpearPlusPlus()) and not accepts_head_weight(CocktailPartyAttack())
+    rng = np.random.default_rng(0)
+    weight, bias = rng.standard_normal((40, 12)), rng.standard_normal(40)
+    inputs = rng.standard_normal((2, 12))
+    output_grad = ((inputs @ weight.T + bias) > 0) * rng.standard_normal((2, 40))
+    delta = LayerDelta(
+        weight_delta=output_grad.T @ inputs,
+        bias_delta=output_grad.sum(axis=0),
+        weight=weight,
+        bias=bias,
+        head_weight=rng.standard_normal((10, 40)),
+    )
+    result = run_attack(CocktailPartyAttack(), delta, batch_size=2, time_budget=10.0)
+    assert result.status == "ok", result.error
+
+
+@pytest.mark.parametrize(
+    ("arrays", "head"),
+    [
+        # fc1 after convolutions, then the output layer: the head follows fc1
+        ({"0.weight": (4, 1, 3, 3), "0.bias": (4,), "fc1.weight": (32, 36), "fc1.bias": (32,),
+          "fc2.weight": (10, 32), "fc2.bias": (10,)}, "fc2.weight"),
+        # a bias-free output layer
+        ({"1.weight": (32, 12), "1.bias": (32,), "3.weight": (10, 32)}, "3.weight"),
+        # a normalisation layer between: the ReLU does not feed the head directly
+        ({"1.weight": (32, 12), "1.bias": (32,), "2.weight": (32,), "2.bias": (32,),
+          "4.weight": (10, 32), "4.bias": (10,)}, None),
+        # one logit (binary classifier): no class structure to use
+        ({"1.weight": (32, 12), "1.bias": (32,), "3.weight": (1, 32), "3.bias": (1,)}, None),
+        # another hidden layer follows
+        ({"1.weight": (32, 12), "1.bias": (32,), "3.weight": (32, 32), "3.bias": (32,),
+          "5.weight": (10, 32), "5.bias": (10,)}, None),
+        # the attacked layer is the model's last
+        ({"1.weight": (10, 12), "1.bias": (10,)}, None),
+    ],
+)  # fmt: skip
+def test_the_head_is_the_next_and_last_weight(arrays: dict[str, tuple[int, ...]], head: str | None) -> None:
+    named = {key: np.ones(shape, dtype=np.float32) for key, shape in arrays.items()}
+    weight_key = "fc1.weight" if "fc1.weight" in named else None
+    layer = select_layer(named, weight_key=weight_key)
+    assert layer.head == head
+    _, _, head_weight = global_parameters(named, layer)
+    assert (head_weight is None) == (head is None)
+    if head is not None:
+        assert head_weight is not None and head_weight.dtype == np.float64
+        assert head_weight.shape == arrays[head]
+
+
+def test_a_secure_aggregation_sum_keeps_the_head() -> None:
+    zeros = np.zeros((3, 2))
+    one = LayerDelta(zeros, np.zeros(3), zeros, np.zeros(3), head_weight=np.ones((4, 3)))
+    total = one + one
+    assert total.head_weight is not None and np.array_equal(total.head_weight, np.ones((4, 3)))
