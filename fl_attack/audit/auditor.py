@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -28,6 +27,7 @@ from .fallback import build_fallback
 from .layer import LayerDelta, LayerKeys, NamedArrays, global_parameters, layer_delta, select_layer
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
+from .selection import select_units
 from .signature import UpdateSignature, magnitude_concentration, update_signature
 from .units import Prepared, attack_summary, member_quality, observed_sum, to_numpy, total_examples, unit_name
 from .verdict import Verdict, decide_verdict
@@ -293,25 +293,14 @@ class Auditor:
 
     def select(self, server_round: int, updates: Sequence[ClientUpdate]) -> list[list[ClientUpdate]]:
         """The units attacked this round: single updates, or secure-aggregation groups."""
-        eligible = [
-            update
-            for update in updates
-            if self.attack_partitions is None or update.identity.partition_id in self.attack_partitions
-        ]
-        eligible.sort(
-            key=lambda item: (
-                item.identity.partition_id is None,
-                item.identity.partition_id or 0,
-                item.identity.node_id,
-            )
+        return select_units(
+            updates,
+            server_round=server_round,
+            partitions=self.attack_partitions,
+            group_size=self.secagg_group_size,
+            fraction=self.attack_fraction,
+            seed=self.seed,
         )
-        size = self.secagg_group_size
-        units = [eligible[start : start + size] for start in range(0, len(eligible), size)]
-        count = math.ceil(self.attack_fraction * len(units))
-        if count >= len(units):
-            return units
-        chosen = random.Random(f"{self.seed}-{server_round}").sample(range(len(units)), count)
-        return [units[index] for index in sorted(chosen)]
 
     def close(self) -> None:
         """Wait for every queued attack, then stop the attack workers."""
