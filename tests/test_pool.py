@@ -119,3 +119,20 @@ def test_ray_backend_runs_an_attack_as_a_task() -> None:
             assert np.abs(recovered - sample).max(axis=1).min() < 1e-6
     finally:
         ray.shutdown()
+
+
+def test_a_queued_attack_keeps_only_its_layer_update() -> None:
+    """Waiting units hold the attacked layer's update, not every member's whole model."""
+    from fl_attack.audit.units import Prepared
+
+    auditor = Auditor(RecordingAttacker(), isolation="thread", workers=1, timeout=60.0)
+    global_arrays, updates = _updates(1)
+    auditor.start_round(1, global_arrays)
+    assert auditor.layer is not None
+    prepared = auditor._prepare(1, updates, auditor._global_layer[1])
+    auditor.close()
+    assert isinstance(prepared, Prepared)
+    assert all(member.arrays is None for member in prepared.members)
+    weight = updates[0].arrays[auditor.layer.weight]  # type: ignore[index]
+    expected = weight.astype(np.float64) - global_arrays[auditor.layer.weight].astype(np.float64)
+    assert np.array_equal(prepared.delta.weight_delta, expected)

@@ -337,6 +337,8 @@ class Auditor:
                 server_round, members, "unreadable update: it contains NaN or Inf entries", None
             )
         delta = dataclasses.replace(delta, head_weight=global_layer[2])  # attackers that take it get it
+        # a queued unit keeps only its layer's update, not every member's whole model
+        members = [dataclasses.replace(member, arrays=None) for member in members]
         return Prepared(server_round=server_round, members=members, delta=delta)
 
     def _run_job(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
@@ -265,8 +266,19 @@ class ThreadAttackRunner(AttackRunner):
         )
 
 
+def _yield_the_cores() -> None:
+    """Give this worker process the lowest CPU priority (nice 19), so that training and
+    aggregation go first; its attack still progresses while they run (``SCHED_IDLE`` would
+    starve it and turn busy rounds into timeouts). Ray's client actors run at nice 15."""
+    try:
+        os.nice(19)
+    except (AttributeError, OSError):
+        pass
+
+
 def _worker_main(connection: Connection, attacker: Attacker) -> None:
     """Worker loop: receive ``(update, batch_size, time_budget)``, send pickled results."""
+    _yield_the_cores()
     connection.send(("ready", None, None))
     while True:
         try:
