@@ -2,7 +2,7 @@
 
 ::
 
-    python -m experiments.audit_overhead                 # the full benchmark (about 15 min on 2 CPUs)
+    python -m experiments.audit_overhead                 # the full benchmark (about 10 min on 2 CPUs)
     python -m experiments.audit_overhead --quick         # a smoke test of every part
     python -m experiments.audit_overhead --parts rounds,throughput --out /tmp/overhead
 
@@ -46,7 +46,7 @@ from typing import Any
 
 from experiments.output import OUTPUTS_DIR, environment, json_safe
 from experiments.overhead_report import markdown, rounds_summary, scale_summary, throughput_summary
-from experiments.process_tree import TreeMemory, load_average
+from experiments.process_tree import TreeMemory, autogroup_scheduling, load_average
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("rounds", "throughput", "scale")
@@ -185,6 +185,7 @@ def run_child(
         "peak_rss_mib": memory.peak_rss_kib / 1024,
         "peak_processes": memory.peak_processes,
         "processes_at_peak": memory.at_peak[:8],
+        "pss_timeline_mib": memory.pss_timeline_mib(since=started, spacing=2.0),
         "load_before": load_before[0],
         "load_after": load_average()[0],
         "log": str(log_path),
@@ -297,7 +298,12 @@ def run_benchmark(
         "quick": quick,
         "parts": list(parts),
         "plan": dataclasses.asdict(plan),
-        "machine": {"cpus": os.cpu_count(), "load_start": load_start, "load_end": load_average()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_start": load_start,
+            "load_end": load_average(),
+            "autogroup_scheduling": autogroup_scheduling(),
+        },
         "environment": environment(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "seconds": time.time() - started,

@@ -229,4 +229,9 @@ def markdown(results: Mapping[str, Any]) -> str:
         "CPU seconds of the whole process tree. Memory: the sum over the process tree (driver, Ray services "
         "and actors, attack workers), sampled from /proc; PSS counts shared pages once.",
     ]
+    if machine.get("autogroup_scheduling"):
+        lines[-1] += (
+            " This kernel schedules by autogroup: with other sessions busy, each run gets a fair share of the "
+            "cores however many processes it starts, which caps what a second worker can add."
+        )
     return "\n".join(lines)

@@ -23,6 +23,16 @@ def load_average() -> tuple[float, float, float]:
     return float(fields[0]), float(fields[1]), float(fields[2])
 
 
+def autogroup_scheduling() -> bool | None:
+    """Whether Linux schedules by autogroup (one fair CPU share per session); None when unknown."""
+    try:
+        return (PROC / "sys" / "kernel" / "sched_autogroup_enabled").read_text(
+            encoding="ascii"
+        ).strip() == "1"
+    except OSError:
+        return None
+
+
 def _stat_fields(pid: int) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name; None when the process is gone."""
     try:
@@ -167,6 +177,16 @@ class TreeMemory:
         """The highest PSS sum sampled in ``[start, end)`` (wall-clock times); None without a sample."""
         inside = [sample.pss_kib for sample in self.samples if start <= sample.time < end]
         return max(inside) if inside else None
+
+    def pss_timeline_mib(self, *, since: float, spacing: float) -> list[tuple[float, float]]:
+        """``(seconds since `since`, PSS MiB)`` of the samples, at least ``spacing`` seconds apart."""
+        timeline: list[tuple[float, float]] = []
+        last: float | None = None
+        for sample in self.samples:
+            if last is None or sample.time - last >= spacing:
+                timeline.append((round(sample.time - since, 1), round(sample.pss_kib / 1024, 1)))
+                last = sample.time
+        return timeline
 
     def _run(self) -> None:
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -62,6 +63,12 @@ def test_quick_run_writes_every_arm_with_positive_numbers(tmp_path: Path) -> Non
     for run in [*simulations, runs["throughput"]]:
         assert run["exit_code"] == 0 and "error" not in run, run.get("error")
         assert _positive(run["peak_pss_mib"]) and run["peak_rss_mib"] >= run["peak_pss_mib"]
+        times = [seconds for seconds, _ in run["pss_timeline_mib"]]
+        assert times == sorted(times) and all(
+            later - earlier >= 1.9
+            for earlier, later in itertools.pairwise(times)  # times rounded to 0.1 s
+        )
+        assert max(pss for _, pss in run["pss_timeline_mib"]) <= run["peak_pss_mib"] + 0.1
     assert runs["scale"]["audited"]["attacked_updates"] == 2  # 2 clients x 1 round, every update stored
     assert [m["workers"] for m in runs["throughput"]["measurements"]] == [1, 2]
 
