@@ -10,20 +10,21 @@ images     PSNR (the record's ``psnr``)        above ``EXACT_PSNR_DB`` / above `
 features   ``quality["relative_error"]``       below ``EXACT_RELATIVE_ERROR`` / ``APPROX_RELATIVE_ERROR``
 tabular    ``quality["features_recovered"]``   every category right and every continuous value
                                                within ``EXACT_RELATIVE_ERROR`` / ``tolerance_std``
-                                               standard deviations (the scorer's ``exact_fraction``
-                                               / ``approx_fraction`` of the scored rows)
+                                               standard deviations (the scorer's per-row flags
+                                               ``exact_rows`` / ``approximate_rows``)
 =========  ==================================  =====================================================
 
 A tabular row's share of recovered features does not say whether its continuous values are
-exact, so its counts are the scorer's fractions times the number of scored rows: both are
-means of per-row flags, so the product is a whole number.
+exact, so rows are counted from the scorer's per-row flags; a quality stored before it had
+them is counted from its ``exact_fraction`` / ``approx_fraction`` times the number of scored
+rows (both are means of per-row flags, so the product is a whole number).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,10 @@ __all__ = [
     "KIND_FEATURES",
     "KIND_IMAGES",
     "KIND_TABULAR",
+    "SampleFlags",
     "SampleRecovery",
     "recovery_criteria",
+    "sample_flags",
     "sample_recovery",
 ]
 
@@ -96,8 +99,29 @@ def recovery_criteria(kind: str, *, tolerance_std: float = _DEFAULT_TOLERANCE_ST
     raise ValueError(f"unknown scorer kind {kind!r}; known: {(KIND_IMAGES, KIND_FEATURES, KIND_TABULAR)}")
 
 
-def sample_recovery(*, quality: Mapping[str, Any], psnr: Sequence[Any] | None) -> SampleRecovery | None:
-    """Count an attack's scored and recovered samples from its quality and per-sample figures.
+@dataclass(frozen=True)
+class SampleFlags:
+    """Every scored sample of one attack: its figure and whether it was recovered.
+
+    Attributes
+    ----------
+    kind : str
+        The scorer's kind.
+    values : tuple[float or None, ...]
+        The kind's per-sample figure (PSNR in dB, relative error, share of a row's features
+        recovered); None where it was not a finite number.
+    exact, approximate : tuple[bool, ...]
+        Whether each sample was recovered exactly, at least approximately.
+    """
+
+    kind: str
+    values: tuple[float | None, ...]
+    exact: tuple[bool, ...]
+    approximate: tuple[bool, ...]
+
+
+def sample_flags(*, quality: Mapping[str, Any], psnr: Sequence[Any] | None) -> SampleFlags | None:
+    """Per-sample figures and recovered flags of an attack, from its quality (see the module docstring).
 
     Parameters
     ----------
@@ -109,42 +133,87 @@ def sample_recovery(*, quality: Mapping[str, Any], psnr: Sequence[Any] | None) -
 
     Returns
     -------
-    SampleRecovery or None
-        None when the attack was not scored (no per-sample figures). A per-sample figure that
-        is missing or not a finite number (a stored NaN or infinity reads back as ``null``)
-        counts as scored and not recovered.
+    SampleFlags or None
+        None when the attack was not scored, or when its flags per sample are not stored (a
+        tabular quality written before it held ``exact_rows`` and ``approximate_rows``). A
+        figure that is missing or not a finite number (a stored NaN or infinity reads back as
+        ``null``) is a scored sample that was not recovered.
     """
     kind = quality.get("kind")
     if kind is None and psnr is not None:
         kind = KIND_IMAGES
     if kind == KIND_IMAGES:
-        values = _as_list(psnr if psnr is not None else quality.get("psnr"))
+        values = _numbers(psnr if psnr is not None else quality.get("psnr"))
         if values is None:
             return None
-        numbers = [_finite(value) for value in values]
-        exact = sum(1 for value in numbers if value is not None and value > EXACT_PSNR_DB)
-        approximate = sum(1 for value in numbers if value is not None and value > APPROX_PSNR_DB)
-        return _counted(KIND_IMAGES, len(numbers), exact, approximate)
+        return _thresholded(
+            kind, values, lambda value: value > EXACT_PSNR_DB, lambda value: value > APPROX_PSNR_DB
+        )
     if kind == KIND_FEATURES:
-        values = _as_list(quality.get(_PER_SAMPLE_KEYS[KIND_FEATURES]))
+        values = _numbers(quality.get(_PER_SAMPLE_KEYS[KIND_FEATURES]))
         if values is None:
             return None
-        numbers = [_finite(value) for value in values]
-        exact = sum(1 for value in numbers if value is not None and value < EXACT_RELATIVE_ERROR)
-        approximate = sum(1 for value in numbers if value is not None and value < APPROX_RELATIVE_ERROR)
-        return _counted(KIND_FEATURES, len(numbers), exact, approximate)
+        return _thresholded(
+            kind,
+            values,
+            lambda value: value < EXACT_RELATIVE_ERROR,
+            lambda value: value < APPROX_RELATIVE_ERROR,
+        )
     if kind == KIND_TABULAR:
+        values = _numbers(quality.get(_PER_SAMPLE_KEYS[KIND_TABULAR]))
+        exact, approximate = _as_list(quality.get("exact_rows")), _as_list(quality.get("approximate_rows"))
+        if values is None or exact is None or approximate is None:
+            return None
+        if not len(exact) == len(approximate) == len(values):
+            return None
+        return SampleFlags(
+            kind,
+            tuple(values),
+            tuple(flag is True for flag in exact),
+            tuple(flag is True for flag in approximate),
+        )
+    return None
+
+
+def sample_recovery(*, quality: Mapping[str, Any], psnr: Sequence[Any] | None) -> SampleRecovery | None:
+    """Count an attack's scored and recovered samples from its quality and per-sample figures.
+
+    Parameters
+    ----------
+    quality : Mapping[str, Any]
+        The attack's ``quality`` (``metrics.json``), as its scorer wrote it.
+    psnr : Sequence or None
+        The record's per-sample PSNR (images); None when not scored by PSNR.
+
+    Returns
+    -------
+    SampleRecovery or None
+        The counts of :func:`sample_flags`; for a tabular quality without flags per row, the
+        scorer's ``exact_fraction`` and ``approx_fraction`` of its scored rows. None when the
+        attack was not scored.
+    """
+    tolerance = _finite(quality.get("tolerance_std"))
+    tolerance_std = _DEFAULT_TOLERANCE_STD if tolerance is None else tolerance
+    flags = sample_flags(quality=quality, psnr=psnr)
+    if flags is not None:
+        return _counted(
+            flags.kind,
+            len(flags.values),
+            sum(flags.exact),
+            sum(flags.approximate),
+            tolerance_std=tolerance_std,
+        )
+    if quality.get("kind") == KIND_TABULAR:
         values = _as_list(quality.get(_PER_SAMPLE_KEYS[KIND_TABULAR]))
         if values is None:
             return None
         scored = len(values)
-        tolerance = _finite(quality.get("tolerance_std"))
         return _counted(
             KIND_TABULAR,
             scored,
             _count_of(quality.get("exact_fraction"), scored),
             _count_of(quality.get("approx_fraction"), scored),
-            tolerance_std=_DEFAULT_TOLERANCE_STD if tolerance is None else tolerance,
+            tolerance_std=tolerance_std,
         )
     return None
 
@@ -163,6 +232,25 @@ def _as_list(values: Any) -> list[Any] | None:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         return None
     return list(values)
+
+
+def _numbers(values: Any) -> list[float | None] | None:
+    listed = _as_list(values)
+    return None if listed is None else [_finite(value) for value in listed]
+
+
+def _thresholded(
+    kind: str,
+    values: list[float | None],
+    exact: Callable[[float], bool],
+    approximate: Callable[[float], bool],
+) -> SampleFlags:
+    return SampleFlags(
+        kind,
+        tuple(values),
+        tuple(value is not None and exact(value) for value in values),
+        tuple(value is not None and approximate(value) for value in values),
+    )
 
 
 def _finite(value: Any) -> float | None:

@@ -178,6 +178,7 @@ def _secagg_members(entries: Sequence[AttackEntry]) -> list[dict[str, Any]]:
                     "round": entry.server_round,
                     "group": entry.client,
                     "member": str(member),
+                    "kind": quality.get("kind") if isinstance(quality.get("kind"), str) else None,
                     "samples": number(quality.get("samples")),
                     "mean_psnr": number(quality.get("mean_psnr")),
                     "exact_share": number(quality.get("exact_fraction")),
