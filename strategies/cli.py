@@ -165,15 +165,6 @@ def _run(run_simulation: Any, server_app: Any, client_app: Any, num_supernodes: 
     )
 
 
-def _share(rows: list[dict[str, str]]) -> float | None:
-    """Share of scored client samples recovered exactly, over the run."""
-    scored = [row for row in rows if row.get("num_references") and row.get("exact_fraction")]
-    total = sum(int(row["num_references"]) for row in scored)
-    if total == 0:
-        return None
-    return sum(float(row["exact_fraction"]) * int(row["num_references"]) for row in scored) / total
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit; print where its results are; return the process exit code.
 
@@ -222,16 +213,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError) as error:
         print(f"fl-attack-audit: {error}", file=sys.stderr)
         return 1
+    from fl_attack.results.report import load_summary
+
     rows = load_table(output / TABLE_FILE)
+    summary = load_summary(output)
     counts = {verdict: sum(1 for row in rows if row.get("verdict") == verdict) for verdict in VERDICTS}
-    share = _share(rows)
+    share = summary.get("exact_sample_share")
     print(f"\nAudit results: {output}")
     print(
         f"  {len(rows)} client updates attacked: "
         + ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
     )
     if share is not None:
-        print(f"  {100.0 * share:.0f}% of the clients' samples recovered exactly (PSNR > 90 dB)")
+        print(
+            f"  {100.0 * share:.0f}% of the {summary['scored_samples']} scored client samples recovered "
+            f"exactly ({summary['exact_criterion']})"
+        )
     for row in rows:
         mean = float(row["mean_psnr"]) if row.get("mean_psnr") else None
         print(
@@ -243,10 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report.exists():
         print(f"  report: {report}")
     if args.fail_above is not None:
-        from fl_attack.results.report import load_summary
-
-        summary = load_summary(output)
-        gate, what = summary.get("exact_sample_share"), "samples recovered exactly"
+        gate = summary.get("exact_sample_share")
+        what = f"samples recovered exactly ({summary['exact_criterion']})"
         if gate is None:  # nothing scored: judge by the attacks' own verdicts
             gate, what = summary.get("exact_attack_share"), "attacks with verdict exact"
         if gate is not None and gate > args.fail_above:

@@ -428,8 +428,8 @@ class Auditor:
                 return self.scorer.render(inputs), None
             references = [self.scorer.references(truth) for truth in truths if truth is not None]
             scored = self.scorer.score_against(inputs, np.concatenate(references))
-            if len(members) > 1 and scored.psnr is not None:
-                details["members"] = member_quality(members, [len(r) for r in references], scored.psnr)
+            if len(members) > 1:
+                details["members"] = member_quality(members, [len(r) for r in references], scored)
             return scored, None
         except Exception as failure:  # scoring is the experimenter's side: never stop the run
             error = f"scoring failed: {type(failure).__name__}: {failure}"

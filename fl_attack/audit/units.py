@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fl_attack.results.recovery import KIND_FEATURES, KIND_TABULAR, SampleFlags, sample_flags
 from fl_attack.simulate.secagg import SecAggPlusQuantization, secagg_observed_sum
-from fl_attack.vocabulary import APPROX_PSNR_DB, EXACT_PSNR_DB
 
 from .layer import LayerDelta
 from .observations import ClientUpdate
 from .workers import AttackResult
+
+if TYPE_CHECKING:
+    from fl_attack.evaluation.scored import Scored
+
+#: Key of a member's mean per-sample figure, by scorer kind (images: ``mean_psnr``).
+_MEAN_KEYS = {KIND_FEATURES: "mean_relative_error", KIND_TABULAR: "mean_features_recovered"}
 
 
 @dataclass(frozen=True)
@@ -87,21 +93,73 @@ def attack_summary(result: AttackResult) -> dict[str, Any]:
 
 
 def member_quality(
-    members: list[ClientUpdate], sizes: list[int], psnr: Sequence[float]
+    members: list[ClientUpdate], sizes: list[int], scored: Scored
 ) -> dict[str, dict[str, Any]]:
-    """Per-client recovery inside a secure-aggregation sum (references were concatenated)."""
+    """Per-client recovery inside a secure-aggregation sum, by the scorer's own criterion.
+
+    The references of the members were concatenated in ``members`` order before scoring, so
+    member ``i``'s samples are the next ``sizes[i]`` per-sample figures.
+
+    Parameters
+    ----------
+    members : list[ClientUpdate]
+        The clients whose updates were summed.
+    sizes : list[int]
+        How many ground-truth samples each member sent.
+    scored : Scored
+        The score of the summed update's reconstruction against all members' samples.
+
+    Returns
+    -------
+    dict[str, dict[str, Any]]
+        Per member name: ``kind``, ``samples``, ``exact_samples``, ``approximate_samples``,
+        ``exact_fraction``, ``approx_fraction``, ``mean_psnr`` (images; None for other kinds)
+        and, for features, ``mean_relative_error``, for tables ``mean_features_recovered``.
+        The counts and fractions are None when the scorer's flags per sample are unknown
+        (a user's own scorer kind).
+
+    Raises
+    ------
+    ValueError
+        When ``sizes`` do not add up to the number of scored samples.
+    """
+    flags = sample_flags(quality=scored.quality, psnr=scored.psnr)
+    if flags is not None and sum(sizes) != len(flags.values):
+        raise ValueError(f"the members sent {sum(sizes)} samples but {len(flags.values)} were scored")
     report: dict[str, dict[str, Any]] = {}
     start = 0
     for member, size in zip(members, sizes, strict=True):
-        values = [float(value) for value in psnr[start : start + size]]
+        part = slice(start, start + size)
         start += size
-        report[member.identity.name] = {
-            "samples": len(values),
-            "mean_psnr": float(np.mean(values)) if values else None,
-            "exact_fraction": float(np.mean([v > EXACT_PSNR_DB for v in values])) if values else None,
-            "approx_fraction": float(np.mean([v > APPROX_PSNR_DB for v in values])) if values else None,
-        }
+        report[member.identity.name] = _member_figures(scored.kind, size, flags, part)
     return report
+
+
+def _member_figures(kind: str, size: int, flags: SampleFlags | None, part: slice) -> dict[str, Any]:
+    figures: dict[str, Any] = {
+        "kind": kind,
+        "samples": size,
+        "exact_samples": None,
+        "approximate_samples": None,
+        "exact_fraction": None,
+        "approx_fraction": None,
+        "mean_psnr": None,
+    }
+    if flags is None or size == 0:
+        return figures
+    exact, approximate = flags.exact[part], flags.approximate[part]
+    values = flags.values[part]
+    # a figure stored as None was not finite (inf relative error, NaN): the mean is not finite either
+    finite = [value for value in values if value is not None]
+    mean = float(np.mean(finite)) if len(finite) == len(values) else None
+    figures.update(
+        exact_samples=sum(exact),
+        approximate_samples=sum(approximate),
+        exact_fraction=sum(exact) / size,
+        approx_fraction=sum(approximate) / size,
+    )
+    figures[_MEAN_KEYS.get(flags.kind, "mean_psnr")] = mean
+    return figures
 
 
 def to_numpy(values: Any) -> np.ndarray:

@@ -194,19 +194,25 @@ def decide_verdict(
                 f"all {b} samples recovered up to the update's noise (relative noise "
                 f"{float(attack.get('relative_noise', 0.0)):.2g}), not exactly" + _features_note(input_space),
             )
+        all_found = b > 0 and found >= b
         if attack.get("stopped_by") == "time_budget":
             spent = f"{time_budget:g} s " if time_budget else ""
+            progress = _all_found_unconfirmed(attack, b) if all_found else f"{found} of {b} samples found"
+            return Verdict(VERDICT_TIMEOUT, f"the attack spent its whole {spent}budget with {progress}")
+        if all_found:
             return Verdict(
-                VERDICT_TIMEOUT,
-                f"the attack spent its whole {spent}budget with {found} of {b} samples found",
+                VERDICT_APPROXIMATE, _all_found_unconfirmed(attack, b) + _features_note(input_space)
             )
         if found > 0:
             return Verdict(
                 VERDICT_APPROXIMATE,
                 f"{found} of {b} samples recovered with a consistent ReLU pattern; the rest were not found"
+                + _search_stop(attack)
                 + _features_note(input_space),
             )
-        return Verdict(VERDICT_FAILED, f"no sample recovered of an estimated batch of {b}")
+        return Verdict(
+            VERDICT_FAILED, f"no sample recovered of an estimated batch of {b}" + _search_stop(attack)
+        )
     if status == STATUS_TIMEOUT:
         return Verdict(VERDICT_TIMEOUT, error or "the attack did not finish within its hard limit")
     reason = _not_applicable(signature, train_mode, num_examples)
@@ -217,6 +223,35 @@ def decide_verdict(
     if status == STATUS_KILLED:
         return Verdict(VERDICT_FAILED, f"the attack's worker was killed: {error}")
     return Verdict(VERDICT_FAILED, f"the attack failed: {error}")
+
+
+def _all_found_unconfirmed(attack: Mapping[str, Any], b: int) -> str:
+    """Why a batch whose every direction was found is still not a confirmed reconstruction."""
+    found = f"all {b} directions were found but not verified as the batch: "
+    if attack.get("self_check_passed") is False:
+        reasons = attack.get("self_check_reasons")
+        why = f" ({reasons})" if isinstance(reasons, str) and reasons else ""
+        return found + f"the self-check against the observed update failed{why}"
+    weakest = attack.get("min_confidence")
+    matching = float(attack.get("sparsity_matching", 0.0))
+    if attack.get("self_check_passed") is True and attack.get("noisy"):
+        return found + (
+            f"the self-check passed up to the noise, but their ReLU patterns agree with the update at a "
+            f"sparsity matching of only {matching:.3f}, too close to chance for the attack to accept"
+        )
+    if attack.get("self_check_passed") is True and isinstance(weakest, (int, float)):
+        return found + (
+            f"the self-check passed, but the weakest sample's ReLU pattern agrees with the update at only "
+            f"{float(weakest):.4f} (sparsity matching {matching:.3f}), below what the attack accepts"
+        )
+    return found + "the attack reported no self-check that confirms them"
+
+
+def _search_stop(attack: Mapping[str, Any]) -> str:
+    """Why the search ended, when the attack's statistics say and it was not its budget."""
+    if attack.get("stopped_by") == "no_improvement":
+        return " (the search stopped when more proposals no longer improved it)"
+    return ""
 
 
 def _not_applicable(

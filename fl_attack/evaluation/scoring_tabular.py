@@ -301,7 +301,8 @@ class TabularScorer:
             ``per_sample``: the share of each true row's features recovered (TabLeak's
             criterion). ``quality`` adds ``discrete_accuracy``, ``continuous_accuracy`` and
             ``tableak_accuracy`` (%), ``continuous_mae`` (original units), ``feature_accuracy``
-            (%), ``feature_mae``, ``tolerance_std`` and ``features_recovered``.
+            (%), ``feature_mae``, ``tolerance_std``, ``features_recovered`` and the per-row
+            flags ``exact_rows`` and ``approximate_rows``.
 
         Raises
         ------
@@ -327,14 +328,13 @@ class TabularScorer:
         per_row = recovered.mean(axis=1)
         names_d = [feature.name for feature in self.schema.discrete]
         names_c = [feature.name for feature in self.schema.continuous]
+        exact_rows = correct.all(axis=1) & exact_values.all(axis=1) & matched
+        approximate_rows = correct.all(axis=1) & within.all(axis=1) & matched
         summary: dict[str, Any] = {
             "kind": self.kind,
             "num_reference": int(truth.shape[0]),
             "num_matched": int(matched.sum()),
-            **fractions(
-                correct.all(axis=1) & exact_values.all(axis=1) & matched,
-                correct.all(axis=1) & within.all(axis=1) & matched,
-            ),
+            **fractions(exact_rows, approximate_rows),
             "discrete_accuracy": _percent(correct),
             "continuous_accuracy": _percent(within),
             "tableak_accuracy": _percent(recovered),
@@ -346,6 +346,8 @@ class TabularScorer:
             "feature_mae": {name: float(errors[:, j].mean()) for j, name in enumerate(names_c)},
             "tolerance_std": self.tolerance_std,
             "features_recovered": [float(value) for value in per_row],
+            "exact_rows": [bool(flag) for flag in exact_rows],
+            "approximate_rows": [bool(flag) for flag in approximate_rows],
             PLAUSIBILITY_KEY: self.plausibility(rows),
         }
         return Scored(

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from fl_attack.results.files import jsonable
+from fl_attack.results.recovery import sample_recovery
 from fl_attack.vocabulary import INPUT_SPACES, STATUSES, VERDICTS
 
 #: Columns of the run table (``attacks.csv``), in order.
@@ -174,6 +175,7 @@ class AttackRecord:
     def table_row(self, directory: str) -> dict[str, Any]:
         """One row of the run table; ``directory`` is the attack's directory relative to the run."""
         psnr = None if self.psnr is None else [float(v) for v in self.psnr]
+        recovery = sample_recovery(quality=self.quality, psnr=psnr)
         row = {
             "round": self.server_round,
             "client": self.client,
@@ -185,7 +187,7 @@ class AttackRecord:
             "batch_size": self.attack.get("batch_size"),
             "complete": self.attack.get("complete"),
             "sparsity_matching": self.attack.get("sparsity_matching"),
-            "num_references": None if psnr is None else len(psnr),
+            "num_references": None if recovery is None else recovery.scored,
             "mean_psnr": self.quality.get("mean_psnr"),
             "min_psnr": min(psnr) if psnr else None,
             "exact_fraction": self.quality.get("exact_fraction"),

@@ -15,6 +15,7 @@ from typing import Any
 
 from PIL import Image
 
+from fl_attack.results.recovery import KIND_IMAGES, SampleRecovery, sample_recovery
 from fl_attack.results.report.verdicts import derive_verdict
 from fl_attack.results.store import (
     GRID_FILE,
@@ -25,8 +26,6 @@ from fl_attack.results.store import (
     load_table,
 )
 from fl_attack.vocabulary import (
-    APPROX_PSNR_DB,
-    EXACT_PSNR_DB,
     INPUT_SPACES,
     STATUS_OK,
     VERDICTS,
@@ -68,7 +67,10 @@ class AttackEntry:
     queued_at, started_at, finished_at : float or None
         Unix times of the attack job, when recorded.
     psnr : list[float] or None
-        Per ground-truth sample PSNR (None: not scored).
+        Per ground-truth sample PSNR (None: not scored by PSNR).
+    recovery : SampleRecovery or None
+        Scored and recovered samples counted from ``metrics.json`` by the scorer's own
+        criterion (images, features or tabular); None without one (the table's fractions serve).
     details : dict[str, Any]
         ``details`` of ``metrics.json`` (node / partition ids, layer, members, ...).
     grid : dict[str, Any] or None
@@ -91,6 +93,7 @@ class AttackEntry:
     started_at: float | None = None
     finished_at: float | None = None
     psnr: list[float] | None = None
+    recovery: SampleRecovery | None = None
     details: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, Any] | None = None
     grid_png: Path | None = None
@@ -103,29 +106,29 @@ class AttackEntry:
     @property
     def scored_count(self) -> int:
         """Number of scored ground-truth samples."""
-        if self.psnr is not None:
-            return len(self.psnr)
+        if self.recovery is not None:
+            return self.recovery.scored
         count = number(self.row.get("num_references"))
         return 0 if count is None or number(self.row.get("exact_fraction")) is None else int(count)
 
-    def recovered(self, threshold: float) -> int:
-        """Number of scored samples above ``threshold`` dB."""
-        if self.psnr is not None:
-            return sum(1 for value in self.psnr if value > threshold)
-        # No metrics.json: fall back on the table's fractions.
-        column = "exact_fraction" if threshold >= EXACT_PSNR_DB else "approx_fraction"
+    def _table_count(self, column: str) -> int:
+        """Samples flagged by a fraction column of the table (no ``metrics.json`` to count from)."""
         fraction = number(self.row.get(column))
         return 0 if fraction is None else int(round(fraction * self.scored_count))
 
     @property
     def exact_count(self) -> int:
-        """Scored samples recovered exactly (PSNR above :data:`~fl_attack.vocabulary.EXACT_PSNR_DB`)."""
-        return self.recovered(EXACT_PSNR_DB)
+        """Scored samples recovered exactly, by the criterion of the scorer that scored them."""
+        if self.recovery is not None:
+            return self.recovery.exact
+        return self._table_count("exact_fraction")
 
     @property
     def approximate_count(self) -> int:
-        """Scored samples recovered at least approximately (above ``APPROX_PSNR_DB``)."""
-        return self.recovered(APPROX_PSNR_DB)
+        """Scored samples recovered at least approximately (exact ones included)."""
+        if self.recovery is not None:
+            return self.recovery.approximate
+        return self._table_count("approx_fraction")
 
     @property
     def queue_seconds(self) -> float | None:
@@ -246,6 +249,11 @@ def _entry(row: dict[str, str], run: Path, problems: list[str]) -> AttackEntry:
         psnr = metrics.get("psnr")
         if isinstance(psnr, list):
             entry.psnr = [float(value) for value in psnr if isinstance(value, (int, float))]
+        quality = metrics.get("quality")
+        entry.recovery = sample_recovery(
+            quality=quality if isinstance(quality, dict) else {},
+            psnr=psnr if isinstance(psnr, list) else None,
+        )
         if isinstance(metrics.get("details"), dict):
             entry.details = metrics["details"]
         if isinstance(metrics.get("grid"), dict):
@@ -278,9 +286,17 @@ def _entry(row: dict[str, str], run: Path, problems: list[str]) -> AttackEntry:
             exact=entry.exact_count,
             approximate=entry.approximate_count,
             complete=row.get("complete") == "True" if entry.status == STATUS_OK else None,
+            criteria=_criteria(entry.recovery),
         )
         entry.verdict_derived = True
     return entry
+
+
+def _criteria(recovery: SampleRecovery | None) -> tuple[str, str] | None:
+    """The criteria a derived verdict names: None (PSNR) for images or without scores."""
+    if recovery is None or recovery.kind == KIND_IMAGES:
+        return None
+    return recovery.exact_rule, recovery.approximate_rule
 
 
 def _inside(run: Path, relative: str) -> Path | None:

@@ -2,9 +2,12 @@
 
 ``load_summary(run_dir)`` is what a CI gate reads: among others it holds
 
-* ``exact_sample_share``: share of the scored client samples recovered exactly (PSNR above
-  :data:`~fl_attack.vocabulary.EXACT_PSNR_DB`); None when nothing was scored;
-* ``approximate_sample_share``: the same above ``APPROX_PSNR_DB`` (exact ones included);
+* ``exact_sample_share``: share of the scored client samples recovered exactly, each by the
+  criterion of the scorer that scored it (images: PSNR above
+  :data:`~fl_attack.vocabulary.EXACT_PSNR_DB`; features: relative error; tabular: every
+  feature; see :mod:`fl_attack.results.recovery`); None when nothing was scored;
+* ``approximate_sample_share``: the same, approximately (exact ones included);
+* ``exact_criterion``, ``approximate_criterion``: those criteria in words;
 * ``exact_attack_share``: share of the attacks whose verdict is exact (None without attacks);
 * ``verdict_sentence``, ``verdict_counts``, ``rounds``, ``clients``, ``attacks``.
 """
@@ -19,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from fl_attack.results.recovery import KIND_IMAGES, recovery_criteria
 from fl_attack.results.report.formatting import share_text
 from fl_attack.results.report.loading import AttackEntry, RunData, load_run, number
 from fl_attack.results.report.recommendations import recommendations
@@ -71,6 +75,20 @@ def _samples(entries: Sequence[AttackEntry]) -> dict[str, Any]:
         "approximate_samples": approximate,
         "exact_sample_share": _share(exact, scored),
         "approximate_sample_share": _share(approximate, scored),
+    }
+
+
+def _criteria(entries: Sequence[AttackEntry]) -> dict[str, Any]:
+    """The recovery criteria of the scorers that scored this run's samples, in words."""
+    scored = [entry.recovery for entry in entries if entry.recovery is not None and entry.recovery.scored]
+    kinds = list(dict.fromkeys(recovery.kind for recovery in scored))
+    if not scored:  # nothing scored, or only a table without metrics.json: PSNR, as stored by old runs
+        exact, approximate = recovery_criteria(KIND_IMAGES)
+        return {"scorer_kinds": kinds, "exact_criterion": exact, "approximate_criterion": approximate}
+    return {
+        "scorer_kinds": kinds,
+        "exact_criterion": "; ".join(dict.fromkeys(recovery.exact_rule for recovery in scored)),
+        "approximate_criterion": "; ".join(dict.fromkeys(recovery.approximate_rule for recovery in scored)),
     }
 
 
@@ -160,6 +178,7 @@ def _secagg_members(entries: Sequence[AttackEntry]) -> list[dict[str, Any]]:
                     "round": entry.server_round,
                     "group": entry.client,
                     "member": str(member),
+                    "kind": quality.get("kind") if isinstance(quality.get("kind"), str) else None,
                     "samples": number(quality.get("samples")),
                     "mean_psnr": number(quality.get("mean_psnr")),
                     "exact_share": number(quality.get("exact_fraction")),
@@ -290,6 +309,7 @@ def build_summary(data: RunData) -> dict[str, Any]:
         "failed_attacks": sum(1 for entry in entries if entry.status != STATUS_OK),
         "scored_attacks": sum(1 for entry in entries if entry.scored),
         **_samples(entries),
+        **_criteria(entries),
         "exact_attack_share": _share(counts[VERDICT_EXACT], len(entries)),
         "approximate_attack_share": _share(counts[VERDICT_APPROXIMATE], len(entries)),
         "statuses": dict(sorted(Counter(entry.status for entry in entries).items())),

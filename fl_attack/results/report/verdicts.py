@@ -1,9 +1,9 @@
-"""Verdicts for runs stored before the audit recorded them, derived from status and PSNR.
+"""Verdicts for runs stored before the audit recorded them, derived from status and ground-truth scores.
 
 A derived verdict is always labelled as such in the report and in ``report.json``. It is
-conservative: "exact" is only derived from ground-truth scores (every scored sample above
-:data:`~fl_attack.vocabulary.EXACT_PSNR_DB`), never from the attacker's own claim, because
-old runs have no self-check to back that claim.
+conservative: "exact" is only derived from ground-truth scores (every scored sample exact by
+its scorer's criterion, e.g. above :data:`~fl_attack.vocabulary.EXACT_PSNR_DB` for images),
+never from the attacker's own claim, because old runs have no self-check to back that claim.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def derive_verdict(
     exact: int,
     approximate: int,
     complete: bool | None,
+    criteria: tuple[str, str] | None = None,
 ) -> tuple[str, str]:
     """The verdict of an attack whose run recorded none, and one sentence saying why.
 
@@ -44,11 +45,16 @@ def derive_verdict(
     scored : int
         Ground-truth samples scored (0: not scored).
     exact : int
-        Scored samples above ``EXACT_PSNR_DB``.
+        Scored samples recovered exactly (images: above ``EXACT_PSNR_DB``).
     approximate : int
-        Scored samples above ``APPROX_PSNR_DB`` (exact ones included).
+        Scored samples recovered at least approximately (images: above ``APPROX_PSNR_DB``;
+        exact ones included).
     complete : bool or None
         The attacker's own completeness claim (None when the attack did not return).
+    criteria : tuple[str, str] or None (default: None)
+        The scorer's exact and approximate criteria in words
+        (:attr:`fl_attack.results.recovery.SampleRecovery.exact_rule`, ...), named in the
+        reason; None: PSNR (images).
 
     Returns
     -------
@@ -73,15 +79,22 @@ def derive_verdict(
     if status != STATUS_OK:
         return VERDICT_FAILED, f"derived from status {status}: the attack returned no reconstruction{detail}"
     if scored:
-        counts = (
-            f"{exact} of {scored} scored samples above {EXACT_PSNR_DB:g} dB, "
-            f"{approximate} above {APPROX_PSNR_DB:g} dB"
-        )
+        if criteria is None:
+            source = "ground-truth PSNR"
+            counts = (
+                f"{exact} of {scored} scored samples above {EXACT_PSNR_DB:g} dB, "
+                f"{approximate} above {APPROX_PSNR_DB:g} dB"
+            )
+        else:
+            source = "ground-truth scores"
+            counts = (
+                f"{exact} of {scored} scored samples with {criteria[0]}, {approximate} with {criteria[1]}"
+            )
         if exact == scored:
-            return VERDICT_EXACT, f"derived from ground-truth PSNR: {counts}"
+            return VERDICT_EXACT, f"derived from {source}: {counts}"
         if approximate:
-            return VERDICT_APPROXIMATE, f"derived from ground-truth PSNR: {counts}"
-        return VERDICT_FAILED, f"derived from ground-truth PSNR: {counts}"
+            return VERDICT_APPROXIMATE, f"derived from {source}: {counts}"
+        return VERDICT_FAILED, f"derived from {source}: {counts}"
     if complete:
         return VERDICT_APPROXIMATE, (
             "derived: the attacker reported a complete reconstruction, but this run records no "

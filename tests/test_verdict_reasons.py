@@ -1,0 +1,120 @@
+"""The verdict's reason says what happened: directions missing, or all found but not verified (and why)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fl_attack.audit import decide_verdict, update_signature
+from fl_attack.audit.signature import UpdateSignature
+from fl_attack.pipeline.self_check import SelfCheck
+
+LOW_RANK = update_signature(np.outer(np.arange(1.0, 7.0), np.arange(1.0, 5.0)))
+
+
+def _never() -> UpdateSignature:
+    raise AssertionError("the signature must not be computed for this case")
+
+
+def _self_check(*reasons: str) -> dict[str, Any]:
+    """The ``self_check_*`` statistics the attack writes, from a real :class:`SelfCheck`."""
+    check = SelfCheck(
+        passed=not reasons,
+        exact=True,
+        residual=3e-2 if reasons else 1e-8,
+        tolerance=1e-6,
+        bias_residual=1e-8,
+        bias_tolerance=1e-6,
+        min_pair_distance=0.5,
+        pair_distance_floor=1e-7,
+        pattern_twins=0,
+        rank=4,
+        reasons=tuple(reasons),
+    )
+    return check.stats()
+
+
+def _reason(attack: dict[str, Any], **options: Any) -> tuple[str, str]:
+    verdict = decide_verdict(
+        status="ok",
+        error=None,
+        attack={"batch_size": 4, "complete": False, "noisy": False, "sparsity_matching": 0.97, **attack},
+        signature=options.pop("signature", _never),
+        magnitude_concentration=0.02,
+        input_space="inputs",
+        **options,
+    )
+    return verdict.verdict, verdict.reason
+
+
+def test_some_directions_not_found() -> None:
+    verdict, reason = _reason(
+        {"directions_found": 3, "stopped_by": "no_improvement", **_self_check("1 placeholder rows")},
+        signature=lambda: LOW_RANK,
+    )
+    assert verdict == "approximate"
+    assert reason == (
+        "3 of 4 samples recovered with a consistent ReLU pattern; the rest were not found "
+        "(the search stopped when more proposals no longer improved it)"
+    )
+
+
+def test_all_found_but_the_self_check_failed() -> None:
+    stats = _self_check("re-synthesised weight update off by 0.03 (noise allows 1e-06)")
+    verdict, reason = _reason({"directions_found": 4, "min_confidence": 1.0, **stats})
+    assert verdict == "approximate"
+    assert reason == (
+        "all 4 directions were found but not verified as the batch: the self-check against the observed "
+        "update failed (re-synthesised weight update off by 0.03 (noise allows 1e-06))"
+    )
+    assert "not found" not in reason
+
+
+def test_all_found_self_check_passed_but_a_pattern_disagrees() -> None:
+    verdict, reason = _reason({"directions_found": 4, "min_confidence": 0.9312, **_self_check()})
+    assert verdict == "approximate"
+    assert reason == (
+        "all 4 directions were found but not verified as the batch: the self-check passed, but the weakest "
+        "sample's ReLU pattern agrees with the update at only 0.9312 (sparsity matching 0.970), below what "
+        "the attack accepts"
+    )
+
+
+def test_all_found_without_self_check_figures() -> None:
+    verdict, reason = _reason({"directions_found": 4})
+    assert (verdict, reason) == (
+        "approximate",
+        "all 4 directions were found but not verified as the batch: the attack reported no self-check that "
+        "confirms them",
+    )
+
+
+@pytest.mark.parametrize(
+    ("found", "progress"),
+    [
+        (2, "2 of 4 samples found"),
+        (4, "all 4 directions were found but not verified as the batch: the self-check against the observed "
+            "update failed (rank 3 < 4 above the noise)"),
+    ],
+)  # fmt: skip
+def test_time_budget_spent(found: int, progress: str) -> None:
+    stats = {
+        "directions_found": found,
+        "stopped_by": "time_budget",
+        **_self_check("rank 3 < 4 above the noise"),
+    }
+    verdict, reason = _reason(stats, signature=lambda: LOW_RANK, time_budget=30.0)
+    assert (verdict, reason) == ("timeout", f"the attack spent its whole 30 s budget with {progress}")
+
+
+def test_all_found_on_a_noisy_update_with_a_matching_near_chance() -> None:
+    stats = {"directions_found": 4, "noisy": True, "sparsity_matching": 0.61, **_self_check()}
+    verdict, reason = _reason(stats, signature=lambda: LOW_RANK)
+    assert verdict == "approximate"
+    assert reason == (
+        "all 4 directions were found but not verified as the batch: the self-check passed up to the noise, "
+        "but their ReLU patterns agree with the update at a sparsity matching of only 0.610, too close to "
+        "chance for the attack to accept"
+    )
