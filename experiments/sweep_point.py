@@ -17,6 +17,7 @@ from typing import Any
 
 import tomllib
 
+from fl_attack.results.record import is_fallback_row
 from fl_attack.vocabulary import EXACT_PSNR_DB
 
 SWEEP_DATA: dict[str, Any] = tomllib.loads(
@@ -52,6 +53,7 @@ def leakage_of(rows: Sequence[Mapping[str, str]]) -> dict[str, Any]:
         ``approx_fraction``, ``updates_exact_fraction``, ``mean_psnr``,
         ``median_attack_seconds`` (None where undefined).
     """
+    rows = [row for row in rows if not is_fallback_row(row)]  # the exact attack's rows only
     samples = exact = approx = psnr_sum = 0.0
     exact_updates = 0
     for row in rows:

@@ -213,9 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError) as error:
         print(f"fl-attack-audit: {error}", file=sys.stderr)
         return 1
+    from fl_attack.results.record import is_fallback_row
     from fl_attack.results.report import load_summary
 
-    rows = load_table(output / TABLE_FILE)
+    table = load_table(output / TABLE_FILE)
+    rows = [row for row in table if not is_fallback_row(row)]
+    fallbacks = [row for row in table if is_fallback_row(row)]
     summary = load_summary(output)
     counts = {verdict: sum(1 for row in rows if row.get("verdict") == verdict) for verdict in VERDICTS}
     share = summary.get("exact_sample_share")
@@ -229,10 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  {100.0 * share:.0f}% of the {summary['scored_samples']} scored client samples recovered "
             f"exactly ({summary['exact_criterion']})"
         )
-    for row in rows:
+    for row in rows + fallbacks:
         mean = float(row["mean_psnr"]) if row.get("mean_psnr") else None
+        after = f" [{row.get('attack') or 'fallback'}, approximate fallback]" if is_fallback_row(row) else ""
         print(
-            f"  round {row['round']} {row['client']}: {row.get('verdict') or row['status']}"
+            f"  round {row['round']} {row['client']}{after}: {row.get('verdict') or row['status']}"
             f" (mean PSNR {format_psnr(mean)}, {float(row.get('seconds') or 0):.1f} s)"
             f" - {row.get('verdict_reason', '')}"
         )

@@ -14,6 +14,7 @@ from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
 from fl_attack.audit.fallback import build_fallback, fallback_verdict
 from fl_attack.audit.workers import AttackResult
 from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.results.report import load_summary, write_report
 from fl_attack.results.store import ReconstructionStore, load_table
 from strategies.factory import build_auditor
 from tests.synthetic_layer import relu_layer_update
@@ -82,7 +83,15 @@ def test_an_adam_update_gets_a_second_row_from_the_cocktail_party(tmp_path: Path
         ("spear++", "not-applicable"),
         ("cocktail-party", "approximate"),
     ]
-    assert rows[1]["mean_psnr"] != "" and rows[1]["directory"] == "round-001/partition-0-dup2"
+    assert rows[1]["mean_psnr"] != "" and rows[1]["directory"] == "round-001/partition-0-cocktail-party"
+    summary = load_summary(auditor.store.directory)  # type: ignore[union-attr]
+    assert summary["attacks"] == 1 and summary["verdict_counts"]["not-applicable"] == 1  # fallbacks apart
+    assert summary["fallback"]["attacks"] == 1 and summary["fallback"]["verdict_counts"]["approximate"] == 1
+    assert summary["fallback"]["scored_samples"] == 6 and summary["fallback"]["attack_names"] == [
+        "cocktail-party"
+    ]
+    html = write_report(auditor.store.directory).read_text()  # type: ignore[union-attr]
+    assert 'id="fallback"' in html and "cocktail-party" in html
 
 
 def test_a_batch_close_to_the_width_gets_an_approximate_fallback(tmp_path: Path) -> None:

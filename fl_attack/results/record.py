@@ -38,6 +38,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "started_at",
     "finished_at",
     "attack",
+    "fallback_after",
 )
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -199,6 +200,7 @@ class AttackRecord:
             "started_at": _unix_time(self.started_at),
             "finished_at": _unix_time(self.finished_at),
             "attack": self.attack.get("attack"),
+            "fallback_after": fallback_after(self.details),
         }
         return {key: "" if value is None else value for key, value in row.items()}
 
@@ -226,3 +228,15 @@ def _is_time(value: object) -> bool:
 def _unix_time(value: float | None) -> str | None:
     """Unix seconds with microsecond resolution, as written in the table."""
     return None if value is None else f"{float(value):.6f}"
+
+
+def fallback_after(details: Mapping[str, Any]) -> str | None:
+    """The exact attack's verdict when this record is a fallback attack's, else None."""
+    after = details.get("fallback_after")
+    return str(after.get("verdict")) if isinstance(after, Mapping) else None
+
+
+def is_fallback_row(row: Mapping[str, str]) -> bool:
+    """Whether a row of ``attacks.csv`` is a fallback attack's (a second, approximate attack on an
+    update the exact attack did not recover exactly: :mod:`fl_attack.audit.fallback`)."""
+    return bool(row.get("fallback_after"))

@@ -31,6 +31,8 @@ Guarantees:
   :attr:`ReconstructionStore.directory` says where. A second attack saved for the same
   (round, client), e.g. two clients claiming one partition id, gets its own directory
   ``<name>-dup2`` (``-dup3``, ...) and its ``metrics.json`` names the directory it duplicates.
+  A fallback attack's record (:mod:`fl_attack.audit.fallback`) goes to ``<name>-<attack>``
+  (``partition-0-cocktail-party``) and its row's ``fallback_after`` holds the exact verdict.
 - **Any name length.** A client name longer than 80 characters (a secure-aggregation group
   of many clients) is stored under a short readable directory name plus a hash
   (:mod:`fl_attack.results.naming`); the table's ``client`` column and ``metrics.json``
@@ -67,7 +69,7 @@ from fl_attack.results.files import (
 )
 from fl_attack.results.images import GRID_FILE, encode_png, grid_document, grid_layout, image_grid
 from fl_attack.results.naming import DUPLICATE_SEPARATOR, unit_directory_name
-from fl_attack.results.record import TABLE_COLUMNS, AttackRecord
+from fl_attack.results.record import TABLE_COLUMNS, AttackRecord, fallback_after
 from fl_attack.results.rundir import (
     RUN_CONFIG_FILE,
     TABLE_FILE,
@@ -302,13 +304,19 @@ class ReconstructionStore:
         """
         round_directory = make_private_directory(self.directory / f"round-{record.server_round:03d}")
         key = (record.server_round, record.client)
+        fallback = fallback_after(record.details) is not None
+        # a fallback attack's files sit beside the exact attack's, named after the fallback
+        name = f"{record.client}-{record.attack.get('attack') or 'fallback'}" if fallback else record.client
         directory = claim_fresh_directory(
-            round_directory, unit_directory_name(record.client), separator=DUPLICATE_SEPARATOR
+            round_directory, unit_directory_name(name), separator=DUPLICATE_SEPARATOR
         )
         relative = directory.relative_to(self.directory).as_posix()
         try:
             self._write_files(
-                record, directory, relative=relative, duplicate_of=self._first_directory.get(key)
+                record,
+                directory,
+                relative=relative,
+                duplicate_of=None if fallback else self._first_directory.get(key),
             )
             table = self._table + rows_bytes([record.table_row(relative)], columns=self._columns)
             atomic_write_bytes(self.table_path, table)
@@ -316,7 +324,8 @@ class ReconstructionStore:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         self._table = table
-        self._first_directory.setdefault(key, relative)
+        if not fallback:
+            self._first_directory.setdefault(key, relative)
         return directory
 
     @staticmethod

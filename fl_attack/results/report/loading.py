@@ -15,6 +15,7 @@ from typing import Any
 
 from PIL import Image
 
+from fl_attack.results.record import is_fallback_row
 from fl_attack.results.recovery import KIND_IMAGES, SampleRecovery, sample_recovery
 from fl_attack.results.report.verdicts import derive_verdict
 from fl_attack.results.store import (
@@ -149,11 +150,14 @@ class RunData:
     config : dict[str, Any] or None
         ``run_config.json`` (None when missing or unreadable).
     entries : list[AttackEntry]
-        One per attacked update, sorted by round and client.
+        One per attacked update (the exact attack's), sorted by round and client.
     history : dict[str, Any] or None
         ``history.json`` (None when missing or unreadable).
     problems : list[str]
         Files that could not be read (reported, never fatal).
+    fallbacks : list[AttackEntry]
+        The fallback attack's rows (approximate second attacks on updates the exact attack did
+        not recover exactly), kept apart so that they never count as attacked updates.
     """
 
     directory: Path
@@ -161,6 +165,7 @@ class RunData:
     entries: list[AttackEntry]
     history: dict[str, Any] | None
     problems: list[str] = field(default_factory=list)
+    fallbacks: list[AttackEntry] = field(default_factory=list)
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -192,9 +197,10 @@ def load_run(run_dir: str | Path) -> RunData:
     return RunData(
         directory=directory,
         config=config if isinstance(config, dict) else None,
-        entries=entries,
+        entries=[entry for entry in entries if not is_fallback_row(entry.row)],
         history=history if isinstance(history, dict) else None,
         problems=problems,
+        fallbacks=[entry for entry in entries if is_fallback_row(entry.row)],
     )
 
 

@@ -9,7 +9,9 @@
 * ``approximate_sample_share``: the same, approximately (exact ones included);
 * ``exact_criterion``, ``approximate_criterion``: those criteria in words;
 * ``exact_attack_share``: share of the attacks whose verdict is exact (None without attacks);
-* ``verdict_sentence``, ``verdict_counts``, ``rounds``, ``clients``, ``attacks``.
+* ``verdict_sentence``, ``verdict_counts``, ``rounds``, ``clients``, ``attacks``;
+* ``fallback``: what the approximate fallback attack recovered on the updates the exact attack
+  did not recover exactly (None when it never ran); it counts in none of the figures above.
 """
 
 from __future__ import annotations
@@ -324,6 +326,7 @@ def build_summary(data: RunData) -> dict[str, Any]:
         "final_test": _final_test(data.history),
         "unreadable_files": list(data.problems),
         "attack_details": [_attack(entry) for entry in entries],
+        "fallback": _fallback(data.fallbacks),
     }
     summary["verdict_sentence"] = verdict_sentence(summary, defenses)
     if summary["scored_samples"]:
@@ -334,6 +337,21 @@ def build_summary(data: RunData) -> dict[str, Any]:
         leaked = None
     summary["recommendations"] = recommendations(config=data.config, leaked_share=leaked)
     return summary
+
+
+def _fallback(fallbacks: Sequence[AttackEntry]) -> dict[str, Any] | None:
+    """What the approximate fallback attack recovered where the exact attack did not (None: never run)."""
+    if not fallbacks:
+        return None
+    psnr = [value for entry in fallbacks for value in (entry.psnr or []) if math.isfinite(value)]
+    return {
+        "attacks": len(fallbacks),
+        "attack_names": sorted({entry.row.get("attack") or "" for entry in fallbacks} - {""}),
+        "verdict_counts": _verdict_counts(fallbacks),
+        **_samples(fallbacks),
+        "mean_psnr": sum(psnr) / len(psnr) if psnr else None,
+        "attack_details": [_attack(entry) for entry in fallbacks],
+    }
 
 
 def _final_test(history: Mapping[str, Any] | None) -> dict[str, float | None] | None:
