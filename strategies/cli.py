@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -22,9 +24,39 @@ from typing import Any
 import tomllib
 from flwr.app import UserConfigValue
 
+from .process_guard import (
+    SIGNAL_EXIT_BASE,
+    adopt_orphans,
+    check_file_size_limit,
+    file_size_hint,
+    join_threads,
+    lingering_threads,
+    run_processes,
+    signals_ignored,
+    stop_signals,
+    stopping_signal,
+    terminate_until_quiet,
+)
+from .run_control import RunControl
+
 #: The ClientApp factory of this project's app, named like pyproject's components (the server
 #: side never imports the client package).
 CLIENT_APP_FACTORY = "clients.client_app:create_client_app"
+
+#: Exit codes of ``fl-attack-audit`` (a signal ends it with 128 + the signal's number).
+EXIT_OK, EXIT_FAILED, EXIT_SETTINGS, EXIT_GATE = 0, 1, 2, 3
+#: Ray's crash-signal handler (absl) answers SIGTERM by dumping a stack and aborting, which
+#: would leave Ray's and the attack workers' processes behind: the command disables it, so
+#: that SIGTERM reaches Python and stops the run (see :func:`stop_run`).
+RAY_SIGNAL_HANDLER_SWITCH = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+#: Seconds a stopped run waits for a record being written, then for its threads (the ServerApp
+#: stops at once; attack threads may drain their queue, writing nothing into the closed store),
+#: then for its child processes after SIGTERM before SIGKILL (multiprocessing's resource
+#: tracker ignores SIGTERM), and for processes started meanwhile before the command leaves.
+STORE_GRACE, THREAD_GRACE, PROCESS_GRACE, LAST_PROCESS_GRACE = 5.0, 1.0, 1.0, 0.5
+#: Processes are swept until none appeared for QUIET seconds (LAST_QUIET just before the
+#: command leaves), SWEEP_LIMIT seconds at most.
+QUIET, LAST_QUIET, SWEEP_LIMIT = 0.5, 0.2, 5.0
 
 
 def _load_attribute(reference: str) -> Any:
@@ -81,8 +113,14 @@ def run_audit_simulation(
     *,
     num_supernodes: int = 3,
     cpus: int = 2,
+    control: RunControl | None = None,
 ) -> Path:
     """Run the audited federation in-process and return its run directory.
+
+    When the simulation does not end normally (Ray fails to start, a signal arrives, the
+    ServerApp crashes), the run is stopped before the error is raised again: the stores are
+    closed (a record being written is completed), the ServerApp thread is told to stop, and
+    the child processes the simulation started (Ray, attack workers) are terminated.
 
     Parameters
     ----------
@@ -94,6 +132,8 @@ def run_audit_simulation(
         Simulated clients (partitions ``0 .. num_supernodes - 1``).
     cpus : int (default: 2)
         CPUs Ray may use; every client takes one, so at most ``cpus`` train at once.
+    control : RunControl or None (default: None)
+        Stops the run from outside (a new one when None).
 
     Returns
     -------
@@ -104,12 +144,14 @@ def run_audit_simulation(
     Raises
     ------
     ValueError
-        On an invalid run config or resource count, before the simulation starts.
+        On an invalid run config or resource count, or a file-size limit too small for Ray,
+        before the simulation starts.
     AuditSimulationError
         When the simulation ended without writing ``attacks.csv``.
     Exception
         Whatever the ServerApp raised (Flower re-raises it).
     """
+    os.environ.setdefault(RAY_SIGNAL_HANDLER_SWITCH, "1")  # read when Ray is imported, below
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
     from fl_attack.results.rundir import is_run_directory
@@ -134,23 +176,90 @@ def run_audit_simulation(
     settings["output-dir"] = str(output)
     resolved = resolve_run_config({}, settings)  # fail here, not inside the ServerApp thread
     check_data(resolved)
+    check_file_size_limit()
+    control = RunControl() if control is None else control
     create_client_app = _load_attribute(CLIENT_APP_FACTORY)
     flower_logger = logging.getLogger("flwr")
     quiet = _HideRunSimulationDeprecation()
     flower_logger.addFilter(quiet)
+    spared = run_processes(spared=set())  # processes that are not the simulation's
     try:
         _run(
             run_simulation,
-            create_server_app(settings),
+            create_server_app(settings, control=control),
             create_client_app(resolved, ground_truth=True),
             num_supernodes,
             cpus,
         )
+    except BaseException:
+        stop_run(control, spared=spared)
+        raise
     finally:
         flower_logger.removeFilter(quiet)
     if not (output / TABLE_FILE).exists():
         raise AuditSimulationError(f"the run wrote no results table at {output / TABLE_FILE}")
     return output
+
+
+def stop_run(control: RunControl, *, spared: set[int]) -> None:
+    """Stop a simulation that did not end normally; further stop signals are ignored meanwhile.
+
+    Closes the stores (waiting up to :data:`STORE_GRACE` for a record being written), sets
+    the stop event and waits up to :data:`THREAD_GRACE` for the ServerApp thread, then
+    terminates every process of the run not in ``spared`` (SIGKILL after :data:`PROCESS_GRACE`)
+    until none appeared for :data:`QUIET` seconds.
+    """
+    with signals_ignored():
+        control.request_stop(store_timeout=STORE_GRACE)
+        join_threads(timeout=THREAD_GRACE)
+        terminate_until_quiet(spared=spared, grace=PROCESS_GRACE, quiet=QUIET, limit=SWEEP_LIMIT)
+
+
+def failure_text(error: BaseException) -> str:
+    """One line saying why the simulation failed, from the innermost cause of ``error``.
+
+    Flower wraps what went wrong ("An error was encountered. Ending simulation." from
+    "Simulation Runtime crashed." from Ray's own error); the line names the innermost cause,
+    says when Ray raised it, and names a finite file-size limit as a likely culprit.
+    """
+    chain = [error]
+    while chain[-1].__cause__ is not None and chain[-1].__cause__ not in chain:
+        chain.append(chain[-1].__cause__)
+    root = chain[-1]
+    message = (str(root).strip().splitlines() or [type(root).__name__])[0]
+    if any(_raised_in_ray(item) for item in chain):
+        return (
+            f"Ray, which runs the simulated clients, could not start or crashed: {message}{file_size_hint()}"
+        )
+    if root is error:
+        return message
+    return f"the simulation failed: {type(root).__name__}: {message}"
+
+
+def stop_text(signum: int, control: RunControl) -> str:
+    """One line saying that a signal stopped the run, and what its stores hold."""
+    from fl_attack.results.store import HISTORY_FILE  # pylint: disable=import-outside-toplevel
+
+    finished = [store.directory for store in control.stores if (store.directory / HISTORY_FILE).exists()]
+    written = (
+        "the run had finished and written its results"
+        if finished
+        else "no history and no report were written"
+    )
+    kept = "; ".join(str(store.directory) for store in control.stores if store.directory not in finished)
+    return f"stopped by {signal.Signals(signum).name}: Ray and the attack workers were stopped, {written}" + (
+        f"; {kept} keeps the attacks stored so far" if kept else ""
+    )
+
+
+def _raised_in_ray(error: BaseException) -> bool:
+    traceback = error.__traceback__
+    while traceback is not None:
+        module = str(traceback.tb_frame.f_globals.get("__name__", ""))
+        if module == "ray" or module.startswith("ray."):
+            return True
+        traceback = traceback.tb_next
+    return False
 
 
 def _run(run_simulation: Any, server_app: Any, client_app: Any, num_supernodes: int, cpus: int) -> None:
@@ -169,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit; print where its results are; return the process exit code.
 
     Exit codes: 0 done, 1 the run failed, 2 bad settings, 3 the leakage gate
-    (``--fail-above``) was exceeded.
+    (``--fail-above``) was exceeded, 128 + N stopped by signal N (143: SIGTERM, 130: SIGINT).
     """
     parser = argparse.ArgumentParser(
         prog="fl-attack-audit",
@@ -195,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"fl-attack-audit: --fail-above must be a share in [0, 1], got {args.fail_above}", file=sys.stderr
         )
-        return 2
+        return EXIT_SETTINGS
 
     from fl_attack.results.store import TABLE_FILE, load_table
     from fl_attack.vocabulary import VERDICTS, format_psnr
@@ -207,12 +316,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_run_config({}, overrides)
     except ValueError as error:
         print(f"fl-attack-audit: {error}", file=sys.stderr)
-        return 2
+        return EXIT_SETTINGS
+    control = RunControl()
     try:
-        output = run_audit_simulation(overrides, num_supernodes=args.num_supernodes, cpus=args.cpus)
-    except (ValueError, RuntimeError) as error:
-        print(f"fl-attack-audit: {error}", file=sys.stderr)
-        return 1
+        with stop_signals():
+            output = run_audit_simulation(
+                overrides, num_supernodes=args.num_supernodes, cpus=args.cpus, control=control
+            )
+    except BaseException as error:  # a stop signal is turned into an exit code here
+        signum = stopping_signal(error)
+        if signum is not None:
+            print(f"fl-attack-audit: {stop_text(signum, control)}", file=sys.stderr)
+            return SIGNAL_EXIT_BASE + signum
+        if isinstance(error, ValueError):
+            print(f"fl-attack-audit: {error}", file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(error, RuntimeError):
+            print(f"fl-attack-audit: {failure_text(error)}", file=sys.stderr)
+            return EXIT_FAILED
+        raise
     from fl_attack.results.record import is_fallback_row
     from fl_attack.results.report import load_summary
 
@@ -254,13 +376,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"(allowed {100.0 * args.fail_above:.1f}%)",
                 file=sys.stderr,
             )
-            return 3
-    return 0
+            return EXIT_GATE
+    return EXIT_OK
 
 
 def entry_point() -> None:
-    """Console-script entry."""
-    raise SystemExit(main())
+    """Console-script entry: exit with :func:`main`'s code, also when a thread or Ray would hang the exit.
+
+    The command adopts the orphans of its process tree (:func:`adopt_orphans`), so that a Ray
+    worker whose raylet exited first is still found and stopped. After a failure or a stop,
+    threads that did not end (a ServerApp still waiting for client replies, attack threads
+    still draining their queue) or Ray's exit handlers talking to processes that are gone
+    would keep the interpreter alive: the processes those threads started meanwhile are
+    terminated until no new one appears (:func:`terminate_until_quiet`), the output is
+    flushed and the process leaves at once.
+    """
+    adopt_orphans()
+    code = main()
+    if code not in (EXIT_OK, EXIT_SETTINGS, EXIT_GATE) or lingering_threads():
+        with signals_ignored():
+            terminate_until_quiet(spared=set(), grace=LAST_PROCESS_GRACE, quiet=LAST_QUIET, limit=SWEEP_LIMIT)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from .evaluation import make_test_evaluator
 from .factory import build_auditor, build_store
 from .honest_but_curious import HonestButCuriousStrategy
 from .run_config import AUDIT_KEYS, client_config, resolve_run_config
+from .run_control import AuditStopped, RunControl, StoppableGrid
 
 
 def build_strategy(
@@ -49,7 +50,7 @@ def build_strategy(
 
 
 def run_audit(
-    grid: Grid, config: Mapping[str, UserConfigValue]
+    grid: Grid, config: Mapping[str, UserConfigValue], *, control: RunControl | None = None
 ) -> tuple[Result, HonestButCuriousStrategy | FedAvg]:
     """Build everything from a resolved run config and run the federated rounds.
 
@@ -59,6 +60,10 @@ def run_audit(
         The Grid given to the ServerApp.
     config : Mapping[str, UserConfigValue]
         Output of :func:`strategies.config.resolve_run_config`.
+    control : RunControl or None (default: None)
+        Given by a command that may stop the run: the store is registered with it, and a
+        stop raises :class:`~strategies.run_control.AuditStopped` from the next Grid call
+        (the attack workers are closed; no history and no report are written).
 
     Returns
     -------
@@ -104,6 +109,8 @@ def run_audit(
     store = strategy.auditor.store if isinstance(strategy, HonestButCuriousStrategy) else None
     if store is not None:
         log(INFO, "Reconstructions are stored in %s", store.directory)
+        if control is not None:
+            control.register(store)
 
     try:
         result = strategy.start(
@@ -139,7 +146,9 @@ class AuditStoreError(RuntimeError):
 
 
 def _write_report(store: ReconstructionStore) -> Path | None:
-    """Write ``<run>/report.html``; a failure is logged and never ends the run."""
+    """Write ``<run>/report.html``; a failure is logged and never ends the run; a closed store gets none."""
+    if store.closed:  # the run was stopped: its results are incomplete
+        return None
     try:
         from fl_attack.results.report import write_report  # pylint: disable=import-outside-toplevel
 
@@ -196,7 +205,9 @@ def _log_audit(strategy: HonestButCuriousStrategy) -> None:
         log(INFO, "Audit table: %s", strategy.auditor.store.table_path)
 
 
-def create_server_app(overrides: Mapping[str, UserConfigValue] | None = None) -> ServerApp:
+def create_server_app(
+    overrides: Mapping[str, UserConfigValue] | None = None, *, control: RunControl | None = None
+) -> ServerApp:
     """A ServerApp reading ``context.run_config``, with ``overrides`` on top.
 
     Parameters
@@ -204,6 +215,9 @@ def create_server_app(overrides: Mapping[str, UserConfigValue] | None = None) ->
     overrides : Mapping[str, UserConfigValue] or None (default: None)
         Run-config values taking precedence (useful with
         ``flwr.simulation.run_simulation``, which passes an empty run config).
+    control : RunControl or None (default: None)
+        Lets the command that runs the app in-process stop it (``fl-attack-audit``): the app
+        then returns as soon as its stop event is set, having written no history and no report.
 
     Returns
     -------
@@ -215,7 +229,13 @@ def create_server_app(overrides: Mapping[str, UserConfigValue] | None = None) ->
     def main(grid: Grid, context: Context) -> None:
         config = resolve_run_config(context.run_config, overrides)
         log(INFO, "fl-attack ServerApp (working directory %s)", Path(os.getcwd()))
-        run_audit(grid, config)
+        if control is None:
+            run_audit(grid, config)
+            return
+        try:
+            run_audit(StoppableGrid(grid, control.stop), config, control=control)
+        except AuditStopped:
+            log(WARNING, "The audit was stopped before it finished: no history and no report were written")
 
     return server_app
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ __all__ = [
     "AttackRecord",
     "ReconstructionStore",
     "RunDirectoryExistsError",
+    "StoreClosedError",
     "StoreWriteError",
     "TableFormatError",
     "atomic_write",
@@ -117,6 +119,10 @@ __all__ = [
 INPUTS_FILE = "reconstruction.npy"
 METRICS_FILE = "metrics.json"
 HISTORY_FILE = "history.json"
+
+
+class StoreClosedError(RuntimeError):
+    """The store was closed (the run was stopped): it writes nothing more."""
 
 
 class ReconstructionStore:
@@ -208,6 +214,9 @@ class ReconstructionStore:
 
     def _open(self, directory: Path, *, run_config: Mapping[str, Any] | None, created: bool) -> None:
         self.directory = directory
+        #: Held while a record or the history is written; :meth:`close` takes it to wait for them.
+        self._writing = threading.Lock()
+        self._closed = False
         #: First directory (relative to the run) stored for each (round, client).
         self._first_directory: dict[tuple[int, str], str] = {}
         try:
@@ -301,7 +310,14 @@ class ReconstructionStore:
         ------
         StoreWriteError
             A file could not be written completely (disk full, file too large, ...).
+        StoreClosedError
+            The store was closed (:meth:`close`).
         """
+        with self._writing:
+            self._refuse_when_closed(f"the attack on {record.client} in round {record.server_round}")
+            return self._save(record)
+
+    def _save(self, record: AttackRecord) -> Path:
         round_directory = make_private_directory(self.directory / f"round-{record.server_round:03d}")
         key = (record.server_round, record.client)
         fallback = fallback_after(record.details) is not None
@@ -353,5 +369,45 @@ class ReconstructionStore:
         return load_table(self.table_path)
 
     def save_history(self, history: Mapping[str, Any]) -> Path:
-        """Write the run's per-round training/evaluation metrics to ``history.json``."""
-        return atomic_write_json(self.directory / HISTORY_FILE, jsonable(dict(history)))
+        """Write the run's per-round training/evaluation metrics to ``history.json``.
+
+        Raises
+        ------
+        StoreClosedError
+            The store was closed (:meth:`close`).
+        """
+        with self._writing:
+            self._refuse_when_closed("the history")
+            return atomic_write_json(self.directory / HISTORY_FILE, jsonable(dict(history)))
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: the store then writes nothing more."""
+        return self._closed
+
+    def close(self, *, timeout: float | None = None) -> bool:
+        """Stop writing: wait for a record being written to be complete, then refuse every later write.
+
+        A run that is stopped (a signal, a crashed runtime) closes its store so that leaving
+        the process at once loses no file half-written: what was stored stays complete.
+
+        Parameters
+        ----------
+        timeout : float or None (default: None)
+            Seconds to wait for a write in progress; None waits for it.
+
+        Returns
+        -------
+        bool
+            True when no write is in progress any more; False when one still was after
+            ``timeout`` (the store is closed all the same: it accepts no new write).
+        """
+        self._closed = True
+        acquired = self._writing.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
+        if acquired:
+            self._writing.release()
+        return acquired
+
+    def _refuse_when_closed(self, what: str) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{what} was not stored: the store of {self.directory} was closed")
