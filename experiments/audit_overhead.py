@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from experiments.output import OUTPUTS_DIR, environment, json_safe
 from experiments.overhead_report import markdown, rounds_summary, scale_summary, throughput_summary
 from experiments.process_tree import TreeMemory, autogroup_scheduling, load_average
@@ -337,7 +339,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, help=f"output folder (default {OUTPUTS_DIR}/{NAME}[_quick])")
     parser.add_argument("--data-root", help="root of CIFAR-10 for the scale part (default: searched)")
+    parser.add_argument(
+        "--scale-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run-config setting of the scale runs, e.g. attack-queue-size=16 (repeatable)",
+    )
     return parser
+
+
+def parse_settings(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as run-config overrides (values parsed as TOML: 16, 'block', true)."""
+    settings: dict[str, Any] = {}
+    for item in items:
+        key, separator, value = item.partition("=")
+        if not separator or not key.strip():
+            raise ValueError(f"--scale-set takes KEY=VALUE, got {item!r}")
+        try:
+            settings[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            settings[key.strip()] = value
+    return settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -349,6 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     plan = QUICK if args.quick else FULL
+    try:
+        settings = parse_settings(args.scale_set)
+    except ValueError as error:
+        parser.error(str(error))
+    if settings:
+        plan = dataclasses.replace(plan, scale_overrides={**plan.scale_overrides, **settings})
     data_root = str(Path(args.data_root).resolve()) if args.data_root else None
     if "scale" in parts:
         try:

@@ -178,6 +178,9 @@ def _scale_rows(runs: Mapping[str, Mapping[str, Any]], plan: Mapping[str, Any]) 
         f"{plan['scale_clients']} clients x {plan['scale_rounds']} rounds, m = "
         f"{plan['scale_overrides'].get('width', 200)}, {plan['scale_overrides'].get('dataset', 'photo-patches')}"
     )
+    queue = {key: value for key, value in plan["scale_overrides"].items() if key.startswith("attack-")}
+    if queue:
+        what += ", " + ", ".join(f"{key}={value}" for key, value in sorted(queue.items()))
     audited = runs["audited"]
     per_round = ", ".join(_fmt(value, 0) for value in audited.get("round_peak_pss_mib", []))
     largest = ", ".join(f"{name} {size:.0f}" for size, name in audited.get("processes_at_peak", [])[:4])

@@ -158,3 +158,15 @@ def test_tree_memory_counts_a_child_process() -> None:
         child.kill()
         child.wait()
     assert len(load_average()) == 3
+
+
+def test_scale_settings_are_parsed_as_run_config_values() -> None:
+    from experiments.audit_overhead import parse_settings
+
+    assert parse_settings(["attack-queue-size=16", "attack-queue='drop-oldest'", "dataset=digits"]) == {
+        "attack-queue-size": 16,
+        "attack-queue": "drop-oldest",
+        "dataset": "digits",
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_settings(["attack-queue-size"])
