@@ -29,7 +29,16 @@ from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
 from .selection import select_units
 from .signature import UpdateSignature, magnitude_concentration, update_signature
-from .units import Prepared, attack_summary, member_quality, observed_sum, to_numpy, total_examples, unit_name
+from .units import (
+    Prepared,
+    attack_summary,
+    member_quality,
+    observed_sum,
+    to_numpy,
+    total_examples,
+    unit_details,
+    unit_name,
+)
 from .verdict import Verdict, decide_verdict
 from .workers import Attacker, AttackResult, AttackRunner, make_runner
 
@@ -378,14 +387,24 @@ class Auditor:
             "started_at": started_at,
             "finished_at": finished_at,
         }
+        return self._finished_record(record_fields, result, members, details)
+
+    def _finished_record(
+        self,
+        fields: dict[str, Any],
+        result: AttackResult,
+        members: list[ClientUpdate],
+        details: dict[str, Any],
+    ) -> AttackRecord:
+        """The record of a finished attack, scored against the members' ground truth when it returned inputs."""
         if result.status != STATUS_OK:
-            return AttackRecord(**record_fields)
+            return AttackRecord(**fields)
         inputs = np.asarray(to_numpy(result.reconstruction.inputs), dtype=np.float64)
         scored, scoring_error = self._score(inputs, members, details)
         if scoring_error is not None:
-            record_fields["error"] = scoring_error
+            fields["error"] = scoring_error
         return AttackRecord(
-            **record_fields,
+            **fields,
             inputs=inputs,
             reconstructed_images=None if scored is None else scored.reconstructed_images,
             reference_images=None if scored is None else scored.reference_images,
@@ -437,27 +456,7 @@ class Auditor:
             return None, error
 
     def _details(self, members: list[ClientUpdate]) -> dict[str, Any]:
-        details: dict[str, Any]
-        if len(members) == 1:
-            identity = members[0].identity
-            details = {"node_id": identity.node_id, "partition_id": identity.partition_id}
-        else:
-            details = {
-                "node_id": [member.identity.node_id for member in members],
-                "partition_id": [member.identity.partition_id for member in members],
-                "members": [member.identity.name for member in members],
-                "secagg_group_size": len(members),
-            }
-        modes = {member.train_mode for member in members if member.train_mode}
-        if len(modes) == 1:
-            details["train_mode"] = modes.pop()
-        if self.layer is not None:
-            details["layer"] = {
-                "weight": self.layer.weight,
-                "bias": self.layer.bias,
-                "input_space": self.layer.input_space,
-            }
-        return details
+        return unit_details(members, self.layer)
 
     def _failed(
         self, server_round: int, members: list[ClientUpdate], error: str, verdict: Verdict | None

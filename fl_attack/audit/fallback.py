@@ -31,7 +31,7 @@ from fl_attack.vocabulary import (
     VERDICT_TIMEOUT,
 )
 
-from .units import Prepared, attack_summary, to_numpy, total_examples, unit_name
+from .units import Prepared, attack_summary, total_examples, unit_name
 from .workers import Attacker, AttackResult, AttackRunner, make_runner
 
 if TYPE_CHECKING:
@@ -211,20 +211,7 @@ class AttackFallback:
             "started_at": times[1],
             "finished_at": times[2],
         }
-        if result.status != STATUS_OK:
-            return AttackRecord(**fields)
-        inputs = np.asarray(to_numpy(result.reconstruction.inputs), dtype=np.float64)
-        scored, scoring_error = auditor._score(inputs, prepared.members, details)
-        if scoring_error is not None:
-            fields["error"] = scoring_error
-        return AttackRecord(
-            **fields,
-            inputs=inputs,
-            reconstructed_images=None if scored is None else scored.reconstructed_images,
-            reference_images=None if scored is None else scored.reference_images,
-            quality={} if scored is None else scored.quality,
-            psnr=None if scored is None else scored.psnr,
-        )
+        return auditor._finished_record(fields, result, prepared.members, details)
 
 
 def fallback_verdict(

@@ -11,7 +11,7 @@ import numpy as np
 from fl_attack.results.recovery import KIND_FEATURES, KIND_TABULAR, SampleFlags, sample_flags
 from fl_attack.simulate.secagg import SecAggPlusQuantization, secagg_observed_sum
 
-from .layer import LayerDelta
+from .layer import LayerDelta, LayerKeys
 from .observations import ClientUpdate
 from .workers import AttackResult
 
@@ -36,6 +36,27 @@ def unit_name(members: Sequence[ClientUpdate]) -> str:
     if len(members) == 1:
         return members[0].identity.name
     return "secagg-" + "_".join(member.identity.name for member in members)
+
+
+def unit_details(members: Sequence[ClientUpdate], layer: LayerKeys | None) -> dict[str, Any]:
+    """``details`` of a unit's record: its members' ids, their training mode and the attacked layer."""
+    details: dict[str, Any]
+    if len(members) == 1:
+        identity = members[0].identity
+        details = {"node_id": identity.node_id, "partition_id": identity.partition_id}
+    else:
+        details = {
+            "node_id": [member.identity.node_id for member in members],
+            "partition_id": [member.identity.partition_id for member in members],
+            "members": [member.identity.name for member in members],
+            "secagg_group_size": len(members),
+        }
+    modes = {member.train_mode for member in members if member.train_mode}
+    if len(modes) == 1:
+        details["train_mode"] = modes.pop()
+    if layer is not None:
+        details["layer"] = {"weight": layer.weight, "bias": layer.bias, "input_space": layer.input_space}
+    return details
 
 
 def observed_sum(

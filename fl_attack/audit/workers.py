@@ -13,6 +13,7 @@ Two runners share one interface:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import multiprocessing
 import os
@@ -270,10 +271,8 @@ def _yield_the_cores() -> None:
     """Give this worker process the lowest CPU priority (nice 19), so that training and
     aggregation go first; its attack still progresses while they run (``SCHED_IDLE`` would
     starve it and turn busy rounds into timeouts). Ray's client actors run at nice 15."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):  # best effort: some systems refuse it
         os.nice(19)
-    except (AttributeError, OSError):
-        pass
 
 
 def _worker_main(connection: Connection, attacker: Attacker) -> None:
