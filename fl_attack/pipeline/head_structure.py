@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from fl_attack.pipeline.binary_head import BinaryHead
 from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import (
     eigh_seconds,
@@ -99,9 +100,12 @@ class HeadPrior:
         ``(c, m')`` float64 in ``{-1, 0, 1}``: the sign of the class prototype
         ``u_k = W2^T (1/c - e_k)`` on each informative neuron, 0 where the prototype is too
         small for its sign to be trusted (:data:`CONFIDENT_FRACTION`).
+    difference
+        ``(m',)`` ``W2[0] - W2[1]`` of a two-class head (:mod:`fl_attack.pipeline.binary_head`), else empty.
     """
 
     signs: torch.Tensor
+    difference: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
 
     @property
     def num_classes(self) -> int:
@@ -153,11 +157,12 @@ class HeadPrior:
         prototypes = weight.mean(dim=0, keepdim=True) - weight  # row k: W2^T (1/c - e_k)
         rms = prototypes.pow(2).mean(dim=1, keepdim=True).sqrt()
         confident = prototypes.abs() >= CONFIDENT_FRACTION * rms
-        return cls(signs=torch.sign(prototypes) * confident.to(prototypes.dtype))
+        difference = weight[0] - weight[1] if weight.shape[0] == 2 else weight.new_zeros(0)
+        return cls(signs=torch.sign(prototypes) * confident.to(prototypes.dtype), difference=difference)
 
     def to(self, device: torch.device) -> HeadPrior:
         """This prior on ``device``."""
-        return HeadPrior(signs=self.signs.to(device))
+        return HeadPrior(signs=self.signs.to(device), difference=self.difference.to(device))
 
 
 def _as_float64(value: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -306,6 +311,12 @@ class HeadRounds:
         self.dtype = dtype
         self.searches = 0
         self.initializations = 0
+        pair, noise = self.prior.difference, tolerance.relative_noise
+        self.binary = (
+            BinaryHead(factors, pair, relative_noise=noise, generator=generator, deadline=deadline)
+            if pair.numel()
+            else None
+        )
 
     @classmethod
     def for_pool(
@@ -333,7 +344,8 @@ class HeadRounds:
 
     def stats(self) -> dict[str, int]:
         """Searches run and initializations optimized so far, for the attack's stats."""
-        return {"head_searches": self.searches, "head_initializations": self.initializations}
+        binary = {} if self.binary is None else self.binary.stats()
+        return {"head_searches": self.searches, "head_initializations": self.initializations, **binary}
 
     def propose(self, known: torch.Tensor, *, avoid: torch.Tensor | None = None) -> torch.Tensor:
         """Two searches' ``(k, b)`` float64 proposals, repelled from ``known`` and ``avoid``.
@@ -347,6 +359,10 @@ class HeadRounds:
         b = left.shape[1]
         if expired(self.deadline):
             return left.new_zeros(0, b)
+        if self.binary is not None and not self.binary.exhausted:  # two classes: see binary_head
+            found = self.binary.propose(known, avoid=avoid)
+            if found.shape[0]:
+                return found
         known = known.to(torch.float64)
         repel = known if avoid is None else torch.cat([known, avoid.to(torch.float64)])
         classes = round_classes(self.prior.num_classes, b, generator=self.generator).to(left.device)
