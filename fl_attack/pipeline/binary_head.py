@@ -244,7 +244,8 @@ class BinaryHead:
         # is two-valued too, and would hide m_k from every round deflated by all of them
         chosen = torch.rand(self.known_columns.shape[1], generator=self.generator) < DEFLATION_SHARE
         self.deflation = self.known_columns[:, chosen.to(self.left.device)]
-        self.deflation_inverse = torch.linalg.inv(self.deflation.T @ self.deflation)
+        # pseudo-inverse: an impostor and the masks it combines are linearly dependent
+        self.deflation_inverse = torch.linalg.pinv(self.deflation.T @ self.deflation, hermitian=True)
         f = self.deflation.shape[1]
         seconds = MAX_STEPS * (matmul_seconds(4.0 * m * b + 6.0 * m * f) + elementwise_seconds(8.0 * m))
         masks = map_rows(
@@ -285,7 +286,7 @@ class BinaryHead:
         """Least-squares ``scale`` and known-mask weights ``beta`` of ``y ~ scale v mask + K beta``.
 
         The known columns ``K`` are fixed, so the normal equations are solved by their Schur
-        complement: one ``(f, f)`` inverse for all starts.
+        complement: one ``(f, f)`` pseudo-inverse for all starts.
         """
         column = mask * self.sure_difference
         along, energy = (column * y).sum(dim=1), (column * column).sum(dim=1)
