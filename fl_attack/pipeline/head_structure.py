@@ -353,7 +353,8 @@ class HeadRounds:
         The first starts at random points, one class prototype each. The second starts on rings
         around the ``known`` unit directions (the samples found so far) and the first search's
         sparse minima (see :meth:`_ring_starts`); ``avoid`` (e.g. sparse mixtures) is only
-        repelled. Empty once the deadline has passed.
+        repelled. Empty once the deadline has passed. A two-class head first gets the new
+        two-valued directions of :class:`BinaryHead`, alone, as long as a call finds any.
         """
         left = self.factors.left
         b = left.shape[1]
