@@ -283,3 +283,28 @@ def test_binary_head_checks_its_input_and_deadline(search: Search) -> None:
     )
     assert late.propose(search.truth).shape == (0, BATCH)
     assert late.stats() == {"binary_rounds": 0, "binary_starts": 0, "binary_directions": 0}
+
+
+def test_a_single_logit_head_is_two_valued_too() -> None:
+    # BCEWithLogits on one output: dL/dz_i = (sigmoid - y_i) * relu'(z_i) * w, the two-class case
+    # with v = w (the logits (z, 0) under softmax); the Auditor passes such a (1, m) head as well
+    inputs, labels = one_hot_rows(BATCH, seed=SEED)
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(inputs.shape[1], WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+    loss = nn.functional.binary_cross_entropy_with_logits(model(inputs.float())[:, 0], labels.float())
+    layer = model[0]
+    assert isinstance(layer, nn.Linear)
+    weight_grad, bias_grad = torch.autograd.grad(loss, [layer.weight, layer.bias])
+    head = model[2].weight.detach()
+    prior = HeadPrior.from_head_weight(head, width=WIDTH)
+    assert torch.equal(prior.difference, head[0].double()) and prior.num_classes == 2
+    rec = SpearPlusPlus(time_budget=30.0, seed=SEED, progress=False).invert(
+        weight_grad,
+        bias_grad,
+        weight=layer.weight.detach(),
+        bias=layer.bias.detach(),
+        batch_size=BATCH,
+        head_weight=head,
+    )
+    assert rec.complete and rec.stats["binary_directions"] >= BATCH
+    assert _max_row_error(rec.inputs, inputs) < 1e-4

@@ -118,8 +118,8 @@ def test_an_attack_without_head_weight_is_called_without_it() -> None:
         # a normalisation layer between: the ReLU does not feed the head directly
         ({"1.weight": (32, 12), "1.bias": (32,), "2.weight": (32,), "2.bias": (32,),
           "4.weight": (10, 32), "4.bias": (10,)}, None),
-        # one logit (binary classifier): no class structure to use
-        ({"1.weight": (32, 12), "1.bias": (32,), "3.weight": (1, 32), "3.bias": (1,)}, None),
+        # one logit (binary classifier): two-valued columns like two classes
+        ({"1.weight": (32, 12), "1.bias": (32,), "3.weight": (1, 32), "3.bias": (1,)}, "3.weight"),
         # another hidden layer follows
         ({"1.weight": (32, 12), "1.bias": (32,), "3.weight": (32, 32), "3.bias": (32,),
           "5.weight": (10, 32), "5.bias": (10,)}, None),

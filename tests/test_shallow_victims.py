@@ -228,7 +228,7 @@ def test_complete_is_claimed_only_for_an_exact_reconstruction(shallow: ShallowBa
             ValueError,
             r"\(c, m\) weight .* m = 200 neurons\), got shape \(10, 201\)",
         ),
-        (np.zeros((1, WIDTH)), ValueError, r"c >= 2 classes"),
+        (np.zeros((0, WIDTH)), ValueError, r"c >= 1 outputs"),
         (np.zeros(WIDTH), ValueError, r"got shape \(200,\)"),
         (np.full((10, WIDTH), np.nan), ValueError, "NaN or Inf"),
         (np.zeros((10, WIDTH), dtype=complex), TypeError, "real numbers"),

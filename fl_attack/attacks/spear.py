@@ -191,7 +191,7 @@ class GradientInversionAttack(ABC):
         ------
         ValueError
             On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` not ``(c, m)``,
-            ``c >= 2``) or a batch size that no exact attack can invert (``b >= min(m, n)``).
+            ``c >= 1``) or a batch size that no exact attack can invert (``b >= min(m, n)``).
         TypeError
             If ``head_weight`` is not a real numpy array or torch tensor.
         """

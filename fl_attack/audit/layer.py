@@ -55,7 +55,7 @@ class LayerKeys:
         when the layer is the model's first, so its inputs are the client's data).
     head : str or None
         Key of the output layer's ``(c, m)`` weight when it directly follows the layer (the
-        next array after the layer's bias, ``c >= 2`` classes, and the model's last weight:
+        next array after the layer's bias, ``c >= 1`` outputs, and the model's last weight:
         a one-hidden-layer model); None otherwise. Its global value guides the exact attack
         (``head_weight=`` of :meth:`fl_attack.SpearPlusPlus.invert`).
     """
@@ -93,7 +93,7 @@ def _head(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarra
     if not rest:
         return None
     shape, width = named[rest[0]].shape, named[weight].shape[0]
-    if len(shape) != 2 or shape[1] != width or shape[0] < 2:
+    if len(shape) != 2 or shape[1] != width:
         return None
     # a later weight means more layers follow: the next layer is not the output layer
     return rest[0] if all(named[key].ndim < 2 for key in rest[1:]) else None

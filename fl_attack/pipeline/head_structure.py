@@ -14,15 +14,12 @@ class-``k`` sample's column carries the sign of ``u_k = W2^T (1/c - e_k)`` where
 not small (no sample we measured contradicts it there).
 
 Why the plain l1 search struggles there: two samples of the same class have nearly equal
-``W2^T g``, so their difference cancels on the neurons active for both and is as sparse as, or
-sparser than, either sample; those differences are deeper l1 minima than the true columns, and
-on CIFAR-10 at (20, 200) only ~11% of the sphere search's minima round to a true direction
-(~80% with three hidden layers, where ``W2^T g`` differs per sample). A difference of two
+``W2^T g``, so their difference is as sparse as either sample; on CIFAR-10 at (20, 200) only
+~11% of the sphere search's minima round to a true direction (~80% with three hidden layers). A difference of two
 class-``k`` samples carries the wrong sign wherever only the subtracted sample is active, while
 a true column never does. The search here minimises the l1 norm with every wrong-signed entry
 weighted ``penalty`` times, one class prototype per initialization: on the same CIFAR-10 batch
-90% of its minima are a true direction of the prototype's class, on raw MNIST ~85% (the plain
-search: < 1%).
+90% of its minima are a true direction of the prototype's class, on raw MNIST ~85% (plain: < 1%).
 
 The prototypes only steer the search: every proposal is rounded to an exact kernel and filtered
 by the candidate pool exactly as the sphere search's are, so a wrong prior (another loss, a
@@ -125,7 +122,8 @@ class HeadPrior:
         ----------
         head_weight
             ``(c, m)`` weight of the output layer fed by the attacked layer's ReLU (the global
-            weight the server sent, not the client's update), ``c >= 2`` classes.
+            weight the server sent, not the client's update): ``c >= 2`` classes, or one output
+            (a single logit or regression output), treated as the two classes ``(z, 0)``.
         width
             ``m``: the attacked layer's number of neurons.
         rows
@@ -137,15 +135,17 @@ class HeadPrior:
         TypeError
             If ``head_weight`` is not a real numpy array or torch tensor.
         ValueError
-            If ``head_weight`` is not a finite ``(c, m)`` matrix with ``c >= 2``, or ``rows``
+            If ``head_weight`` is not a finite ``(c, m)`` matrix with ``c >= 1``, or ``rows``
             is not an ``(m,)`` boolean mask.
         """
         weight = _as_float64(head_weight)
-        if weight.dim() != 2 or weight.shape[1] != width or weight.shape[0] < 2:
+        if weight.dim() != 2 or weight.shape[1] != width or weight.shape[0] < 1:
             raise ValueError(
                 "head_weight must be the (c, m) weight of the output layer that follows the attacked "
-                f"layer (c >= 2 classes, m = {width} neurons), got shape {tuple(weight.shape)}"
+                f"layer (c >= 1 outputs, m = {width} neurons), got shape {tuple(weight.shape)}"
             )
+        if weight.shape[0] == 1:  # one logit: its sigmoid is the softmax over the logits (z, 0)
+            weight = torch.cat([weight, torch.zeros_like(weight)])
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("head_weight contains NaN or Inf entries")
         if rows is not None:
