@@ -18,6 +18,10 @@ where ``G_p(x) = (1/B) sum_i VJP_p(x_i, g_i)`` is the batch-mean gradient of par
 candidate inputs would produce, ``O_p`` the observed one, and TV the mean absolute difference of
 neighbouring pixels, with the inputs kept in the data's box. The result is an approximation:
 nothing here is exact, and the returned residuals say how well the inputs explain what was seen.
+Through ReLU and max-pooling the gradient term depends on which units are active and which
+pooled position wins, and these move with the inputs: there it is hard to optimise, and a
+features-only fit refined with it (``init``, a small ``lr``) is the safer use
+(``examples/quickstart_cnn/README.md`` measures what it buys on a CNN).
 """
 
 from __future__ import annotations
