@@ -3,14 +3,19 @@
 For each trial a fresh quickstart CNN (seeded) takes one SGD step on a batch of photo
 patches, as a client of this example does; the server sees the float32 weights before and
 after. SPEAR++ attacks fc1's update; recovered feature vectors are scored by relative error
-(exact below 1e-4). The exactly recovered features are then inverted back to images through
-the known convolutional part (conv-ReLU-pool-conv-ReLU-pool, the global weights) by
-optimisation: 400 features per 3072 pixels, so only an approximation exists; its PSNR is
-reported beside the exact features.
+(exact below 1e-4). From the exact features and fc1's update the server gets each sample's
+label and ``dL_i/df_i`` (``fl_attack.attacks.head_gradients``). The exact features are then
+inverted back to images through the known convolutional part (conv-ReLU-pool-conv-ReLU-pool,
+the global weights) by optimisation (``fl_attack.attacks.feature_inversion``): first the
+features alone (with a total-variation prior), then, for batches recovered whole, a refinement
+that also matches the conv layers' update. 400 features per 3072 pixels: only an approximation
+exists; its PSNR and SSIM are reported beside those of a flat image of the mean colour.
+``--oracle`` fits the true features instead of the attack's (an upper bound).
 
     PYTHONPATH=. python examples/quickstart_cnn/measure_frontier.py --batch-sizes 8,32 --trials 10
 
-(from the repository root; ``--time-budget`` seconds per attack, ``--steps`` of the image fit).
+(from the repository root; ``--time-budget`` seconds per attack, ``--steps`` of the image fit,
+``--gradient-weight`` of the conv-update term, 0 to skip the refinement).
 """
 
 from __future__ import annotations
@@ -170,6 +175,7 @@ def trial(
     true_pixels = data.denormalize(images[exact]).clamp(0.0, 1.0)
     flat = torch.tensor(data.mean).view(1, -1, 1, 1).expand_as(true_pixels)  # the dataset's mean colour
     row["mean_colour_psnr"] = round(float(psnr(flat, true_pixels).mean()), 2)
+    row["mean_colour_ssim"] = round(float(ssim(flat, true_pixels).mean()), 3)
     first = fit_images(received, features, data, gradients=None, init=None, args=args, seed=seed)
     row.update(image_scores(data.denormalize(first).clamp(0.0, 1.0), true_pixels, "features"))
     if args.gradient_weight > 0 and exact.size == batch_size:
@@ -226,6 +232,7 @@ def main() -> None:
         }
         for key in (
             "mean_colour_psnr",
+            "mean_colour_ssim",
             "features_psnr_mean",
             "features_ssim_mean",
             "gradient_psnr_mean",
