@@ -123,6 +123,7 @@ def test_warm_start_and_box() -> None:
         ({"init": torch.zeros(1, *SHAPE)}, r"init has shape \(1, 3, 8, 8\)"),
         ({"steps": 0}, "steps must be a positive integer"),
         ({"tv_weight": -1.0}, "tv_weight must be a finite non-negative number"),
+        ({"feature_weight": 0.0, "tv_weight": 0.0}, "nothing to fit"),
     ],
 )
 def test_bad_input_is_named(change: dict[str, object], message: str) -> None:

@@ -243,8 +243,8 @@ def invert_features_to_inputs(
     ValueError
         On features that are not a finite ``(B, n)`` array, a prefix whose output does not have
         ``n`` features, a ``feature_grads`` or gradient of the wrong shape or with NaN/Inf, only
-        one of the two gradient arguments, an empty box, an ``init`` of the wrong shape, or bad
-        settings.
+        one of the two gradient arguments, an empty box, an ``init`` of the wrong shape, bad
+        settings, or weights that leave nothing to fit.
     """
     started = time.perf_counter()
     _check_settings(
@@ -271,6 +271,8 @@ def invert_features_to_inputs(
     gradients = _observed_gradients(
         observed_prefix_grads, feature_grads, prefix=network, features=target, device=place
     )
+    if feature_weight == 0 and tv_weight == 0 and (gradients is None or gradient_weight == 0):
+        raise ValueError("nothing to fit: feature_weight and tv_weight are 0 and no gradient term is used")
     parameters = [param for _, param in network.named_parameters()]
     for param in parameters:
         param.requires_grad_(gradients is not None)
