@@ -168,18 +168,46 @@ def select_layer(
     )
 
 
-def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
-    """The layer's weight and bias from ``arrays`` as float64 copies."""
-    named = canonical_arrays(arrays)
-    missing = [key for key in (layer.weight, layer.bias) if key not in named]
+def _canonical_keys(arrays: NamedArrays) -> dict[str, str]:
+    """Canonical key -> the key in ``arrays``, without reading any array (a lazy mapping stays lazy)."""
+    keys: dict[str, str] = {}
+    for key in arrays:
+        name = canonical_key(key)
+        if name in keys:
+            raise ValueError(f"keys {key!r} and {name!r} collide once '{OPACUS_PREFIX}' is stripped")
+        keys[name] = key
+    return keys
+
+
+def layer_arrays(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's weight and bias from ``arrays`` as they are (their dtype), reading no other array.
+
+    An array that is a view into a larger buffer is copied, so that keeping the result never
+    keeps that buffer.
+
+    Raises
+    ------
+    LayerNotFoundError
+        If ``arrays`` lack the layer.
+    """
+    keys = _canonical_keys(arrays)
+    missing = [key for key in (layer.weight, layer.bias) if key not in keys]
     if missing:
         raise LayerNotFoundError(
-            f"attacked layer entries {missing} not found; available keys: {_describe(named)}"
+            f"attacked layer entries {missing} not found; available keys: {_describe(canonical_arrays(arrays))}"
         )
-    return (
-        np.array(named[layer.weight], dtype=np.float64, copy=True),
-        np.array(named[layer.bias], dtype=np.float64, copy=True),
-    )
+    return _owned(arrays[keys[layer.weight]]), _owned(arrays[keys[layer.bias]])
+
+
+def _owned(values: np.ndarray) -> np.ndarray:
+    array = np.asarray(values)
+    return array if array.flags.owndata else array.copy()
+
+
+def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's weight and bias from ``arrays`` as float64 copies."""
+    weight, bias = layer_arrays(arrays, layer)
+    return np.array(weight, dtype=np.float64, copy=True), np.array(bias, dtype=np.float64, copy=True)
 
 
 def global_parameters(
@@ -227,6 +255,74 @@ class LayerDelta:
         )
 
 
+@dataclass(frozen=True)
+class SentLayer:
+    """A client's attacked layer as it sent it, and the global layer of its round: an update not
+    yet subtracted.
+
+    A queued attack keeps this instead of a :class:`LayerDelta`: the client's float32 arrays take
+    half the memory of their float64 difference, and the global arrays are shared by all the
+    round's updates. :meth:`delta` gives the exact :class:`LayerDelta` of :func:`layer_delta`.
+
+    Attributes
+    ----------
+    weight, bias : numpy.ndarray
+        The layer the client sent, in its dtype (float32 or float16).
+    global_weight, global_bias : numpy.ndarray
+        The float64 global layer of the round.
+    head_weight : numpy.ndarray or None
+        The global head weight (:attr:`LayerDelta.head_weight`).
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray
+    global_weight: np.ndarray
+    global_bias: np.ndarray
+    head_weight: np.ndarray | None = None
+
+    def delta(self) -> LayerDelta:
+        """The float64 difference, bit for bit what :func:`layer_delta` returns for the same arrays."""
+        return LayerDelta(
+            weight_delta=np.asarray(self.weight, dtype=np.float64) - self.global_weight,
+            bias_delta=np.asarray(self.bias, dtype=np.float64) - self.global_bias,
+            weight=self.global_weight,
+            bias=self.global_bias,
+            head_weight=self.head_weight,
+        )
+
+
+#: Dtypes whose difference of finite values is finite in float64: such an update is kept as sent.
+SINGLE_PRECISION = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def sent_layer(
+    reply_arrays: NamedArrays,
+    *,
+    layer: LayerKeys,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    head_weight: np.ndarray | None = None,
+) -> SentLayer:
+    """A client's layer as it sent it, with the global layer it started from (nothing subtracted yet).
+
+    Raises
+    ------
+    LayerNotFoundError
+        If the reply lacks the layer.
+    ValueError
+        If the reply's layer has another shape than the global one.
+    """
+    new_weight, new_bias = layer_arrays(reply_arrays, layer)
+    if new_weight.shape != weight.shape or new_bias.shape != bias.shape:
+        raise ValueError(
+            f"client layer shapes {new_weight.shape}/{new_bias.shape} differ from the global "
+            f"{weight.shape}/{bias.shape}"
+        )
+    return SentLayer(
+        weight=new_weight, bias=new_bias, global_weight=weight, global_bias=bias, head_weight=head_weight
+    )
+
+
 def layer_delta(
     reply_arrays: NamedArrays,
     *,
@@ -246,10 +342,4 @@ def layer_delta(
     ValueError
         If the reply's layer has another shape than the global one.
     """
-    new_weight, new_bias = layer_parameters(reply_arrays, layer)
-    if new_weight.shape != weight.shape or new_bias.shape != bias.shape:
-        raise ValueError(
-            f"client layer shapes {new_weight.shape}/{new_bias.shape} differ from the global "
-            f"{weight.shape}/{bias.shape}"
-        )
-    return LayerDelta(weight_delta=new_weight - weight, bias_delta=new_bias - bias, weight=weight, bias=bias)
+    return sent_layer(reply_arrays, layer=layer, weight=weight, bias=bias).delta()
