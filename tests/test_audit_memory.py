@@ -8,9 +8,12 @@ what is held.
 from __future__ import annotations
 
 import gc
+import hashlib
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,8 +23,10 @@ import torch
 from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate
 from fl_attack.audit.layer import LayerDelta, SentLayer, layer_arrays, layer_delta
 from fl_attack.audit.prepare import NON_FINITE_UPDATE
+from fl_attack.audit.spill import SPILL_FOLDER
 from fl_attack.audit.units import Prepared
 from fl_attack.reconstruction import Reconstruction
+from fl_attack.results.store import ReconstructionStore
 from tests.test_audit_strategy import INPUT_DIM, _client_arrays, _global_arrays
 
 #: Seconds a test waits for attacks to finish before it fails (not a measurement).
@@ -33,11 +38,13 @@ class CountingAttacker:
 
     def __init__(self, *, gated: bool = False) -> None:
         self.gate = threading.Event()
+        self.entered = threading.Event()
         if not gated:
             self.gate.set()
         self.calls = 0
 
     def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
+        self.entered.set()
         self.gate.wait(PATIENCE)
         self.calls += 1
         return Reconstruction(
@@ -206,3 +213,77 @@ def test_an_auditor_with_workers_fixes_the_mmap_threshold(monkeypatch: pytest.Mo
     monkeypatch.setattr(memory, "_state", {})
     Auditor(CountingAttacker(), isolation="thread", workers=1).close()
     assert memory._state == {"done": True}
+
+
+class DigestAttacker(CountingAttacker):
+    """Remembers a digest of every update it was given (not the update)."""
+
+    def __init__(self, *, gated: bool = False) -> None:
+        super().__init__(gated=gated)
+        self.digests: list[str] = []
+
+    def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
+        self.digests.append(hashlib.sha256(np.ascontiguousarray(args[0]).tobytes()).hexdigest())
+        return super().invert(*args, **kwargs)
+
+
+def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(tmp_path: Path) -> None:
+    """With a store, waiting units hold their weight in a 0600 file (memory-mapped), removed when
+    their attack starts; the attacker receives exactly the difference it gets without the file."""
+    attacker = DigestAttacker(gated=True)
+    store = ReconstructionStore.create(tmp_path / "run")
+    auditor = Auditor(attacker, store=store, isolation="thread", workers=1, timeout=PATIENCE)
+    global_arrays = _global_arrays()
+    updates = _updates(5, global_arrays)
+    auditor.start_round(1, global_arrays)
+    layer, global_layer = auditor.layer, auditor._global_layer[1]
+    assert layer is not None
+    deltas = [
+        layer_delta(arrays, layer=layer, weight=global_layer[0], bias=global_layer[1])
+        for arrays in (update.arrays for update in updates)
+        if arrays is not None
+    ]
+    expected = [hashlib.sha256(delta.weight_delta.tobytes()).hexdigest() for delta in deltas]
+    del deltas
+    folder = store.directory / SPILL_FOLDER
+    auditor.audit_round(1, updates)
+    del updates
+    try:
+        _wait_until(lambda: folder.is_dir() and len(list(folder.iterdir())) == 4, "4 waiting updates spilled")
+        assert sorted(stat.S_IMODE(path.stat().st_mode) for path in folder.iterdir()) == [0o600] * 4
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        waiting = [unit for unit in gc.get_objects() if type(unit) is SentLayer and not unit._taken]
+        assert len(waiting) == 4 and all(isinstance(unit.weight, np.memmap) for unit in waiting)
+        del waiting
+    finally:
+        attacker.gate.set()
+        auditor.close()
+    assert attacker.digests == expected
+    assert not folder.exists()
+
+
+def test_a_dropped_update_leaves_no_file(tmp_path: Path) -> None:
+    attacker = CountingAttacker(gated=True)
+    store = ReconstructionStore.create(tmp_path / "run")
+    auditor = Auditor(
+        attacker, store=store, isolation="thread", workers=1, queue_size=1, queue_policy="drop-oldest"
+    )
+    global_arrays = _global_arrays()
+    auditor.start_round(1, global_arrays)
+    auditor.audit_round(1, _updates(1, global_arrays))
+    assert attacker.entered.wait(PATIENCE)  # the first attack runs (and waits at the gate)
+    auditor.start_round(2, global_arrays)
+    auditor.audit_round(2, _updates(3, global_arrays))
+    folder = store.directory / SPILL_FOLDER
+    try:
+        dropped = [
+            (record.server_round, record.client) for record in auditor.records if record.status == "dropped"
+        ]
+        assert dropped == [(2, "partition-0"), (2, "partition-1")]  # the oldest waiting ones
+        _wait_until(
+            lambda: folder.is_dir() and len(list(folder.iterdir())) == 1, "the waiting update spilled"
+        )
+    finally:
+        attacker.gate.set()
+        auditor.close()
+    assert not folder.exists()

@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,13 +24,14 @@ from fl_attack.simulate.secagg import SecAggPlusQuantization
 from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
 
 from .fallback import build_fallback
-from .layer import LayerDelta, LayerKeys, NamedArrays, global_parameters, select_layer
+from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, global_parameters, select_layer
 from .memory import return_large_allocations
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
 from .prepare import GlobalLayer, finite_layer, prepare_unit
 from .selection import select_units
 from .signature import UpdateSignature, magnitude_concentration, update_signature
+from .spill import SPILL_FOLDER, QueueSpill
 from .units import (
     Prepared,
     attack_summary,
@@ -179,6 +180,9 @@ class Auditor:
             else None
         )
         self.store = store
+        self._spill = (
+            None if store is None or self.pool is None else QueueSpill(store.directory / SPILL_FOLDER)
+        )
         self.scorer = scorer
         self.weight_key = weight_key or None
         self.bias_key = bias_key or None
@@ -245,6 +249,8 @@ class Auditor:
                     functools.partial(self._pool_job, prepared),
                     functools.partial(self._dropped_job, prepared),
                 )
+                if self._spill is not None and isinstance(prepared.update, SentLayer):
+                    self._spill.add(prepared.update)
         return produced
 
     def record_vanished(self, server_round: int, failures: Sequence[tuple[int, str]]) -> list[AttackRecord]:
@@ -293,6 +299,7 @@ class Auditor:
 
     def _dropped_job(self, prepared: Prepared, queued_at: float) -> None:
         assert self.layer is not None
+        prepared.discard()
         self._keep(
             AttackRecord(
                 server_round=prepared.server_round,
@@ -323,6 +330,8 @@ class Auditor:
         """Wait for every queued attack, then stop the attack workers."""
         if self.pool is not None:
             self.pool.close()
+        if self._spill is not None:
+            self._spill.close()
         for runner in self._runners:
             runner.close()
 
@@ -414,13 +423,9 @@ class Auditor:
     def _verdict(
         self, result: AttackResult, summary: Mapping[str, Any], delta: LayerDelta, members: list[ClientUpdate]
     ) -> Verdict:
-        cache: dict[str, UpdateSignature] = {}
-
-        def signature() -> UpdateSignature:
-            if "value" not in cache:
-                cache["value"] = update_signature(delta.weight_delta)
-            return cache["value"]
-
+        signature: Callable[[], UpdateSignature] = functools.cache(
+            functools.partial(update_signature, delta.weight_delta)
+        )  # computed once, and only when the verdict needs it
         modes = {member.train_mode for member in members if member.train_mode}
         return decide_verdict(
             status=result.status,

@@ -6,8 +6,11 @@ same code serves any framework. Keys may carry Opacus' ``_module.`` prefix.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -255,19 +258,21 @@ class LayerDelta:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class SentLayer:
     """A client's attacked layer as it sent it, and the global layer of its round: an update not
     yet subtracted.
 
     A queued attack keeps this instead of a :class:`LayerDelta`: the client's float32 arrays take
     half the memory of their float64 difference, and the global arrays are shared by all the
-    round's updates. :meth:`delta` gives the exact :class:`LayerDelta` of :func:`layer_delta`.
+    round's updates. While it waits, its weight may move to a file (:meth:`spill`); :meth:`take`
+    gives the exact :class:`LayerDelta` of :func:`layer_delta` and removes that file.
 
     Attributes
     ----------
     weight, bias : numpy.ndarray
-        The layer the client sent, in its dtype (float32 or float16).
+        The layer the client sent, in its dtype (float32 or float16); ``weight`` is a read-only
+        memory map once spilled.
     global_weight, global_bias : numpy.ndarray
         The float64 global layer of the round.
     head_weight : numpy.ndarray or None
@@ -279,6 +284,9 @@ class SentLayer:
     global_weight: np.ndarray
     global_bias: np.ndarray
     head_weight: np.ndarray | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _file: Path | None = field(default=None, repr=False)
+    _taken: bool = field(default=False, repr=False)
 
     def delta(self) -> LayerDelta:
         """The float64 difference, bit for bit what :func:`layer_delta` returns for the same arrays."""
@@ -289,6 +297,53 @@ class SentLayer:
             bias=self.global_bias,
             head_weight=self.head_weight,
         )
+
+    def spill(self, path: Path) -> bool:
+        """Move the weight to a new file ``path`` (mode 0600), memory-mapped read-only.
+
+        Returns
+        -------
+        bool
+            False when nothing was written: the attack already took the update, or it is spilled.
+
+        Raises
+        ------
+        OSError
+            When the file cannot be written (the weight then stays in memory).
+        """
+        with self._lock:
+            if self._taken or self._file is not None:
+                return False
+            weight = np.ascontiguousarray(self.weight)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(descriptor, "wb") as file:
+                    weight.tofile(file)
+                self.weight = np.memmap(path, dtype=weight.dtype, mode="r", shape=weight.shape)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            self._file = path
+            return True
+
+    def take(self) -> LayerDelta:
+        """The float64 update for the attack that starts now; the file, if any, is removed."""
+        with self._lock:
+            self._taken = True
+            delta = self.delta()
+            self._remove_file()
+        return delta
+
+    def discard(self) -> None:
+        """Forget the update (its attack was dropped): remove its file, never spill it."""
+        with self._lock:
+            self._taken = True
+            self._remove_file()
+
+    def _remove_file(self) -> None:
+        if self._file is not None:
+            self._file.unlink(missing_ok=True)
+            self._file = None
 
 
 #: Dtypes whose difference of finite values is finite in float64: such an update is kept as sent.

@@ -43,8 +43,14 @@ class Prepared:
         return update.delta() if isinstance(update, SentLayer) else update
 
     def materialized(self) -> Prepared:
-        """This unit with its :class:`LayerDelta` computed once, for the attack that runs now."""
-        return self if isinstance(self.update, LayerDelta) else replace(self, update=self.update.delta())
+        """This unit with its :class:`LayerDelta` computed once, for the attack that runs now
+        (a spilled update's file is removed: :meth:`SentLayer.take`)."""
+        return self if isinstance(self.update, LayerDelta) else replace(self, update=self.update.take())
+
+    def discard(self) -> None:
+        """The unit is never attacked (dropped): remove its spilled file, if any."""
+        if isinstance(self.update, SentLayer):
+            self.update.discard()
 
 
 def unit_name(members: Sequence[ClientUpdate]) -> str:
