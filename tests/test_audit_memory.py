@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import stat
 import threading
 import time
@@ -199,6 +200,12 @@ def test_the_layer_is_read_without_reading_the_rest_of_the_model() -> None:
     view = {layer.weight: np.zeros((2, *global_arrays[layer.weight].shape), np.float32)[0], layer.bias: bias}
     kept, _ = layer_arrays(view, layer)
     assert kept.flags.owndata and kept.base is None  # a view is copied: the larger buffer is not kept
+    buffer = io.BytesIO()
+    np.save(buffer, reply.arrays[layer.weight])
+    buffer.seek(0)
+    loaded = np.load(buffer)  # how Flower decodes an Array: a view of exactly its own bytes
+    same, _ = layer_arrays({layer.weight: loaded, layer.bias: bias}, layer)
+    assert same is loaded
 
 
 def test_an_auditor_with_workers_fixes_the_mmap_threshold(monkeypatch: pytest.MonkeyPatch) -> None:

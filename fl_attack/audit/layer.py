@@ -203,8 +203,16 @@ def layer_arrays(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.
 
 
 def _owned(values: np.ndarray) -> np.ndarray:
+    """``values``, or a copy when it is a view into a larger buffer (a slice of a whole state dict)."""
     array = np.asarray(values)
-    return array if array.flags.owndata else array.copy()
+    root: object = array
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    try:
+        size = root.nbytes if isinstance(root, np.ndarray) else memoryview(root).nbytes  # type: ignore[arg-type]
+    except TypeError:  # a base without a buffer: its size is unknown
+        return array.copy()
+    return array if size <= array.nbytes else array.copy()
 
 
 def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
