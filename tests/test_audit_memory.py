@@ -63,6 +63,11 @@ def _live(kind: type) -> int:
     return sum(1 for thing in gc.get_objects() if type(thing) is kind)
 
 
+def _held() -> tuple[int, int, int]:
+    """Units, sent layers and float64 updates alive (other tests' leftovers included: compare to a baseline)."""
+    return _live(Prepared), _live(SentLayer), _live(LayerDelta)
+
+
 def _updates(count: int, global_arrays: dict[str, np.ndarray]) -> list[ClientUpdate]:
     return [
         ClientUpdate(
@@ -84,6 +89,7 @@ def test_a_finished_attack_holds_no_update_before_the_drain() -> None:
     """Finished jobs leave the pool at once: their updates are freed without waiting for drain()."""
     auditor = Auditor(CountingAttacker(), isolation="thread", workers=1, timeout=PATIENCE)
     global_arrays = _global_arrays()
+    baseline = _held()
     auditor.start_round(1, global_arrays)
     auditor.audit_round(1, _updates(5, global_arrays))
     pool = auditor.pool
@@ -91,7 +97,7 @@ def test_a_finished_attack_holds_no_update_before_the_drain() -> None:
     _wait_until(lambda: pool.done == 5, "5 attacks done")
     try:
         assert pool.pending == 0
-        assert (_live(Prepared), _live(SentLayer), _live(LayerDelta)) == (0, 0, 0)
+        assert _held() == baseline
         assert [record.status for record in auditor.records] == ["ok"] * 5
     finally:
         auditor.close()
@@ -106,6 +112,8 @@ def test_a_bounded_queue_bounds_the_updates_held(queue_size: int) -> None:
         attacker, isolation="thread", workers=1, queue_size=queue_size, queue_policy="block", timeout=PATIENCE
     )
     global_arrays = _global_arrays()
+    baseline = _held()
+    before = {id(thing) for thing in gc.get_objects() if type(thing) is SentLayer}
     auditor.start_round(1, global_arrays)
     pool = auditor.pool
     assert pool is not None
@@ -113,18 +121,18 @@ def test_a_bounded_queue_bounds_the_updates_held(queue_size: int) -> None:
     submitting.start()
     try:
         _wait_until(lambda: pool.pending == queue_size + 1, "the queue to fill")
-        held = [thing for thing in gc.get_objects() if type(thing) is SentLayer]
+        held = [thing for thing in gc.get_objects() if type(thing) is SentLayer and id(thing) not in before]
         assert len(held) == queue_size + 2
         assert all(unit.weight.dtype == np.float32 for unit in held)
         assert len({id(unit.global_weight) for unit in held}) == 1  # the round's global layer, once
-        assert _live(LayerDelta) == 1  # only the running attack's float64 update
+        assert _live(LayerDelta) == baseline[2] + 1  # only the running attack's float64 update
         del held
     finally:
         attacker.gate.set()
         submitting.join(PATIENCE)
         auditor.close()
     assert attacker.calls == 8
-    assert (_live(Prepared), _live(SentLayer), _live(LayerDelta)) == (0, 0, 0)
+    assert _held() == baseline
 
 
 def test_a_queued_unit_keeps_the_sent_layer_and_shares_the_global_layer() -> None:
@@ -253,13 +261,18 @@ def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(tmp_pa
     expected = [hashlib.sha256(delta.weight_delta.tobytes()).hexdigest() for delta in deltas]
     del deltas
     folder = store.directory / SPILL_FOLDER
+    before = {id(thing) for thing in gc.get_objects() if type(thing) is SentLayer}
     auditor.audit_round(1, updates)
     del updates
     try:
         _wait_until(lambda: folder.is_dir() and len(list(folder.iterdir())) == 4, "4 waiting updates spilled")
         assert sorted(stat.S_IMODE(path.stat().st_mode) for path in folder.iterdir()) == [0o600] * 4
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-        waiting = [unit for unit in gc.get_objects() if type(unit) is SentLayer and not unit._taken]
+        waiting = [
+            unit
+            for unit in gc.get_objects()
+            if type(unit) is SentLayer and id(unit) not in before and not unit._taken
+        ]
         assert len(waiting) == 4 and all(isinstance(unit.weight, np.memmap) for unit in waiting)
         del waiting
     finally:
