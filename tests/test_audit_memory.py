@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate
+from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, spill
 from fl_attack.audit.layer import LayerDelta, SentLayer, layer_arrays, layer_delta
 from fl_attack.audit.prepare import NON_FINITE_UPDATE
-from fl_attack.audit.spill import SPILL_FOLDER
+from fl_attack.audit.spill import SPILL_FOLDER, QueueSpill
 from fl_attack.audit.units import Prepared
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.results.store import ReconstructionStore
@@ -242,9 +242,13 @@ class DigestAttacker(CountingAttacker):
         return super().invert(*args, **kwargs)
 
 
-def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(tmp_path: Path) -> None:
-    """With a store, waiting units hold their weight in a 0600 file (memory-mapped), removed when
-    their attack starts; the attacker receives exactly the difference it gets without the file."""
+def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a store, waiting units beyond the memory allowance hold their weight in a 0600 file
+    (memory-mapped), removed when their attack starts; the attacker receives exactly the
+    difference it gets without the file."""
+    monkeypatch.setattr(spill, "SPILL_AFTER_BYTES", 0)
     attacker = DigestAttacker(gated=True)
     store = ReconstructionStore.create(tmp_path / "run")
     auditor = Auditor(attacker, store=store, isolation="thread", workers=1, timeout=PATIENCE)
@@ -282,7 +286,8 @@ def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(tmp_pa
     assert not folder.exists()
 
 
-def test_a_dropped_update_leaves_no_file(tmp_path: Path) -> None:
+def test_a_dropped_update_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spill, "SPILL_AFTER_BYTES", 0)
     attacker = CountingAttacker(gated=True)
     store = ReconstructionStore.create(tmp_path / "run")
     auditor = Auditor(
@@ -307,3 +312,25 @@ def test_a_dropped_update_leaves_no_file(tmp_path: Path) -> None:
         attacker.gate.set()
         auditor.close()
     assert not folder.exists()
+
+
+def test_a_short_queue_is_never_written(tmp_path: Path) -> None:
+    """Below the allowance nothing is spilled; above it, the new updates are."""
+    global_arrays = _global_arrays()
+    auditor = Auditor(CountingAttacker(), isolation="thread")
+    layer = auditor.select_layer(global_arrays)
+    weight, bias = layer_arrays(_client_arrays(global_arrays, 0), layer)
+    global_weight, global_bias = weight.astype(np.float64), bias.astype(np.float64)
+    units = [
+        SentLayer(weight=weight.copy(), bias=bias, global_weight=global_weight, global_bias=global_bias)
+        for _ in range(3)
+    ]
+    queue = QueueSpill(tmp_path / SPILL_FOLDER, after_bytes=2 * weight.nbytes)
+    for queued, unit in enumerate(units, start=1):
+        queue.add(unit, queued=queued)
+    _wait_until(lambda: isinstance(units[2].weight, np.memmap), "the third update spilled")
+    spilled = [isinstance(unit.weight, np.memmap) for unit in units]
+    files = sorted(path.name for path in (tmp_path / SPILL_FOLDER).iterdir())
+    queue.close()
+    assert spilled == [False, False, True] and files == ["0.layer"]
+    assert not (tmp_path / SPILL_FOLDER).exists()

@@ -250,7 +250,7 @@ class Auditor:
                     functools.partial(self._dropped_job, prepared),
                 )
                 if self._spill is not None and isinstance(prepared.update, SentLayer):
-                    self._spill.add(prepared.update)
+                    self._spill.add(prepared.update, queued=self.pool.pending)
         return produced
 
     def record_vanished(self, server_round: int, failures: Sequence[tuple[int, str]]) -> list[AttackRecord]:
