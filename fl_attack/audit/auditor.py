@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,16 +24,18 @@ from fl_attack.simulate.secagg import SecAggPlusQuantization
 from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
 
 from .fallback import build_fallback
-from .layer import LayerDelta, LayerKeys, NamedArrays, global_parameters, layer_delta, select_layer
+from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, global_parameters, select_layer
+from .memory import return_large_allocations
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
+from .prepare import GlobalLayer, finite_layer, prepare_unit
 from .selection import select_units
 from .signature import UpdateSignature, magnitude_concentration, update_signature
+from .spill import SPILL_FOLDER, QueueSpill
 from .units import (
     Prepared,
     attack_summary,
     member_quality,
-    observed_sum,
     to_numpy,
     total_examples,
     unit_details,
@@ -156,6 +158,9 @@ class Auditor:
             raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
+        if workers > 0:
+            # queued updates are freed in the order attacks finish: give their pages back
+            return_large_allocations()
         self.attacker = attacker
         self.fallback = build_fallback(fallback, seed=seed, time_budget=time_budget)
         self.isolation = isolation
@@ -175,6 +180,9 @@ class Auditor:
             else None
         )
         self.store = store
+        self._spill = (
+            None if store is None or self.pool is None else QueueSpill(store.directory / SPILL_FOLDER)
+        )
         self.scorer = scorer
         self.weight_key = weight_key or None
         self.bias_key = bias_key or None
@@ -190,7 +198,7 @@ class Auditor:
         self.records: list[AttackRecord] = []
         #: Why results could not be stored (a full disk, ...): the run must not end as a success.
         self.store_failures: list[str] = []
-        self._global_layer: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+        self._global_layer: dict[int, GlobalLayer] = {}
 
     # ---------------------------------------------------------------- round API
 
@@ -221,9 +229,10 @@ class Auditor:
             logger.warning("round %s was not started on the auditor; nothing attacked", server_round)
             return []
         produced = []
+        global_finite = finite_layer(global_layer)
         for members in self.select(server_round, updates):
             try:
-                prepared = self._prepare(server_round, members, global_layer)
+                prepared = self._prepare(server_round, members, global_layer, global_finite=global_finite)
             except Exception as error:  # an audit must never stop training
                 prepared = self._failed(
                     server_round, members, f"audit failed: {type(error).__name__}: {error}", None
@@ -231,6 +240,7 @@ class Auditor:
             if isinstance(prepared, AttackRecord):
                 produced.append(self._keep(prepared))
             elif self.pool is None:
+                prepared = prepared.materialized()
                 produced.append(self._keep(self._run_job(prepared, time.time())))
                 produced.extend(self.fallback.run(self, prepared, produced[-1]))
             else:
@@ -239,6 +249,8 @@ class Auditor:
                     functools.partial(self._pool_job, prepared),
                     functools.partial(self._dropped_job, prepared),
                 )
+                if self._spill is not None and isinstance(prepared.update, SentLayer):
+                    self._spill.add(prepared.update, queued=self.pool.pending)
         return produced
 
     def record_vanished(self, server_round: int, failures: Sequence[tuple[int, str]]) -> list[AttackRecord]:
@@ -273,6 +285,8 @@ class Auditor:
 
     def _pool_job(self, prepared: Prepared, queued_at: float) -> None:
         try:
+            # the float64 update exists only while its attack (and the fallback) runs
+            prepared = prepared.materialized()
             record = self._run_job(prepared, queued_at, runner=self._pool_runner())
         except Exception as error:  # never lose an attack to a bug: record it
             record = self._failed(
@@ -285,6 +299,7 @@ class Auditor:
 
     def _dropped_job(self, prepared: Prepared, queued_at: float) -> None:
         assert self.layer is not None
+        prepared.discard()
         self._keep(
             AttackRecord(
                 server_round=prepared.server_round,
@@ -315,6 +330,8 @@ class Auditor:
         """Wait for every queued attack, then stop the attack workers."""
         if self.pool is not None:
             self.pool.close()
+        if self._spill is not None:
+            self._spill.close()
         for runner in self._runners:
             runner.close()
 
@@ -324,31 +341,22 @@ class Auditor:
         self,
         server_round: int,
         members: list[ClientUpdate],
-        global_layer: tuple[np.ndarray, np.ndarray, np.ndarray | None],
+        global_layer: GlobalLayer,
+        *,
+        global_finite: bool | None = None,
     ) -> AttackRecord | Prepared:
-        """The observed update of one unit, or the record of why it cannot be attacked."""
+        """The observed update of one unit (:func:`prepare_unit`), or the record of why it cannot be attacked."""
         assert self.layer is not None
-        deltas: list[LayerDelta] = []
-        for member in members:
-            if member.arrays is None:
-                return self._failed(server_round, members, f"unreadable update: {member.error}", None)
-            try:
-                deltas.append(
-                    layer_delta(member.arrays, layer=self.layer, weight=global_layer[0], bias=global_layer[1])
-                )
-            except ValueError as error:
-                return self._failed(server_round, members, f"unreadable update: {error}", None)
-        delta = observed_sum(
-            deltas, members, quantization=self.secagg_quantization, seed=(self.seed, server_round)
+        prepared = prepare_unit(
+            server_round,
+            members,
+            global_layer,
+            layer=self.layer,
+            quantization=self.secagg_quantization,
+            seed=self.seed,
+            global_finite=global_finite,
         )
-        if not (np.isfinite(delta.weight_delta).all() and np.isfinite(delta.bias_delta).all()):
-            return self._failed(
-                server_round, members, "unreadable update: it contains NaN or Inf entries", None
-            )
-        delta = dataclasses.replace(delta, head_weight=global_layer[2])  # attackers that take it get it
-        # a queued unit keeps only its layer's update, not every member's whole model
-        members = [dataclasses.replace(member, arrays=None) for member in members]
-        return Prepared(server_round=server_round, members=members, delta=delta)
+        return self._failed(server_round, members, prepared, None) if isinstance(prepared, str) else prepared
 
     def _run_job(
         self, prepared: Prepared, queued_at: float, runner: AttackRunner | None = None
@@ -415,13 +423,9 @@ class Auditor:
     def _verdict(
         self, result: AttackResult, summary: Mapping[str, Any], delta: LayerDelta, members: list[ClientUpdate]
     ) -> Verdict:
-        cache: dict[str, UpdateSignature] = {}
-
-        def signature() -> UpdateSignature:
-            if "value" not in cache:
-                cache["value"] = update_signature(delta.weight_delta)
-            return cache["value"]
-
+        signature: Callable[[], UpdateSignature] = functools.cache(
+            functools.partial(update_signature, delta.weight_delta)
+        )  # computed once, and only when the verdict needs it
         modes = {member.train_mode for member in members if member.train_mode}
         return decide_verdict(
             status=result.status,

@@ -6,8 +6,11 @@ same code serves any framework. Keys may carry Opacus' ``_module.`` prefix.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -168,18 +171,54 @@ def select_layer(
     )
 
 
-def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
-    """The layer's weight and bias from ``arrays`` as float64 copies."""
-    named = canonical_arrays(arrays)
-    missing = [key for key in (layer.weight, layer.bias) if key not in named]
+def _canonical_keys(arrays: NamedArrays) -> dict[str, str]:
+    """Canonical key -> the key in ``arrays``, without reading any array (a lazy mapping stays lazy)."""
+    keys: dict[str, str] = {}
+    for key in arrays:
+        name = canonical_key(key)
+        if name in keys:
+            raise ValueError(f"keys {key!r} and {name!r} collide once '{OPACUS_PREFIX}' is stripped")
+        keys[name] = key
+    return keys
+
+
+def layer_arrays(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's weight and bias from ``arrays`` as they are (their dtype), reading no other array.
+
+    An array that is a view into a larger buffer is copied, so that keeping the result never
+    keeps that buffer.
+
+    Raises
+    ------
+    LayerNotFoundError
+        If ``arrays`` lack the layer.
+    """
+    keys = _canonical_keys(arrays)
+    missing = [key for key in (layer.weight, layer.bias) if key not in keys]
     if missing:
         raise LayerNotFoundError(
-            f"attacked layer entries {missing} not found; available keys: {_describe(named)}"
+            f"attacked layer entries {missing} not found; available keys: {_describe(canonical_arrays(arrays))}"
         )
-    return (
-        np.array(named[layer.weight], dtype=np.float64, copy=True),
-        np.array(named[layer.bias], dtype=np.float64, copy=True),
-    )
+    return _owned(arrays[keys[layer.weight]]), _owned(arrays[keys[layer.bias]])
+
+
+def _owned(values: np.ndarray) -> np.ndarray:
+    """``values``, or a copy when it is a view into a larger buffer (a slice of a whole state dict)."""
+    array = np.asarray(values)
+    root: object = array
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    try:
+        size = root.nbytes if isinstance(root, np.ndarray) else memoryview(root).nbytes  # type: ignore[arg-type]
+    except TypeError:  # a base without a buffer: its size is unknown
+        return array.copy()
+    return array if size <= array.nbytes else array.copy()
+
+
+def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's weight and bias from ``arrays`` as float64 copies."""
+    weight, bias = layer_arrays(arrays, layer)
+    return np.array(weight, dtype=np.float64, copy=True), np.array(bias, dtype=np.float64, copy=True)
 
 
 def global_parameters(
@@ -227,6 +266,126 @@ class LayerDelta:
         )
 
 
+@dataclass(eq=False)
+class SentLayer:
+    """A client's attacked layer as it sent it, and the global layer of its round: an update not
+    yet subtracted.
+
+    A queued attack keeps this instead of a :class:`LayerDelta`: the client's float32 arrays take
+    half the memory of their float64 difference, and the global arrays are shared by all the
+    round's updates. While it waits, its weight may move to a file (:meth:`spill`); :meth:`take`
+    gives the exact :class:`LayerDelta` of :func:`layer_delta` and removes that file.
+
+    Attributes
+    ----------
+    weight, bias : numpy.ndarray
+        The layer the client sent, in its dtype (float32 or float16); ``weight`` is a read-only
+        memory map once spilled.
+    global_weight, global_bias : numpy.ndarray
+        The float64 global layer of the round.
+    head_weight : numpy.ndarray or None
+        The global head weight (:attr:`LayerDelta.head_weight`).
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray
+    global_weight: np.ndarray
+    global_bias: np.ndarray
+    head_weight: np.ndarray | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _file: Path | None = field(default=None, repr=False)
+    _taken: bool = field(default=False, repr=False)
+
+    def delta(self) -> LayerDelta:
+        """The float64 difference, bit for bit what :func:`layer_delta` returns for the same arrays."""
+        return LayerDelta(
+            weight_delta=np.asarray(self.weight, dtype=np.float64) - self.global_weight,
+            bias_delta=np.asarray(self.bias, dtype=np.float64) - self.global_bias,
+            weight=self.global_weight,
+            bias=self.global_bias,
+            head_weight=self.head_weight,
+        )
+
+    def spill(self, path: Path) -> bool:
+        """Move the weight to a new file ``path`` (mode 0600), memory-mapped read-only.
+
+        Returns
+        -------
+        bool
+            False when nothing was written: the attack already took the update, or it is spilled.
+
+        Raises
+        ------
+        OSError
+            When the file cannot be written (the weight then stays in memory).
+        """
+        with self._lock:
+            if self._taken or self._file is not None:
+                return False
+            weight = np.ascontiguousarray(self.weight)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(descriptor, "wb") as file:
+                    weight.tofile(file)
+                self.weight = np.memmap(path, dtype=weight.dtype, mode="r", shape=weight.shape)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            self._file = path
+            return True
+
+    def take(self) -> LayerDelta:
+        """The float64 update for the attack that starts now; the file, if any, is removed."""
+        with self._lock:
+            self._taken = True
+            delta = self.delta()
+            self._remove_file()
+        return delta
+
+    def discard(self) -> None:
+        """Forget the update (its attack was dropped): remove its file, never spill it."""
+        with self._lock:
+            self._taken = True
+            self._remove_file()
+
+    def _remove_file(self) -> None:
+        if self._file is not None:
+            self._file.unlink(missing_ok=True)
+            self._file = None
+
+
+#: Dtypes whose difference of finite values is finite in float64: such an update is kept as sent.
+SINGLE_PRECISION = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def sent_layer(
+    reply_arrays: NamedArrays,
+    *,
+    layer: LayerKeys,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    head_weight: np.ndarray | None = None,
+) -> SentLayer:
+    """A client's layer as it sent it, with the global layer it started from (nothing subtracted yet).
+
+    Raises
+    ------
+    LayerNotFoundError
+        If the reply lacks the layer.
+    ValueError
+        If the reply's layer has another shape than the global one.
+    """
+    new_weight, new_bias = layer_arrays(reply_arrays, layer)
+    if new_weight.shape != weight.shape or new_bias.shape != bias.shape:
+        raise ValueError(
+            f"client layer shapes {new_weight.shape}/{new_bias.shape} differ from the global "
+            f"{weight.shape}/{bias.shape}"
+        )
+    return SentLayer(
+        weight=new_weight, bias=new_bias, global_weight=weight, global_bias=bias, head_weight=head_weight
+    )
+
+
 def layer_delta(
     reply_arrays: NamedArrays,
     *,
@@ -246,10 +405,4 @@ def layer_delta(
     ValueError
         If the reply's layer has another shape than the global one.
     """
-    new_weight, new_bias = layer_parameters(reply_arrays, layer)
-    if new_weight.shape != weight.shape or new_bias.shape != bias.shape:
-        raise ValueError(
-            f"client layer shapes {new_weight.shape}/{new_bias.shape} differ from the global "
-            f"{weight.shape}/{bias.shape}"
-        )
-    return LayerDelta(weight_delta=new_weight - weight, bias_delta=new_bias - bias, weight=weight, bias=bias)
+    return sent_layer(reply_arrays, layer=layer, weight=weight, bias=bias).delta()

@@ -26,12 +26,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Job:
+    """One queued attack. ``run`` and ``dropped`` hold the attack's arrays: both are released
+    (set to None) as soon as the job has run or been dropped, so that a finished job holds none."""
+
     name: str
-    run: Callable[[float], Any]
-    dropped: Callable[[float], Any]
+    run: Callable[[float], Any] | None
+    dropped: Callable[[float], Any] | None
     queued_at: float = field(default_factory=time.time)
     future: Future[Any] | None = None
     started: bool = False
+
+    def release(self) -> None:
+        """Drop the callbacks (and with them the arrays they hold)."""
+        self.run = self.dropped = None
 
 
 class AttackPool:
@@ -128,17 +135,29 @@ class AttackPool:
 
     def _drop(self, job: _Job) -> None:
         self.dropped += 1
-        job.dropped(job.queued_at)
+        dropped = job.dropped
+        job.release()
+        if dropped is not None:
+            dropped(job.queued_at)
         self._bar.set_postfix(dropped=self.dropped)
 
-    def _execute(self, job: _Job) -> Any:
+    def _execute(self, job: _Job) -> None:
         job.started = True
         self._update_bar()
+        run = job.run
+        job.release()
         try:
-            return job.run(job.queued_at)
+            if run is not None:
+                run(job.queued_at)
+        except Exception as error:  # jobs record their own failures: this is a bug in a job, never fatal
+            logger.error("the attack job on %s raised: %r", job.name, error)
         finally:
+            del run  # the job's arrays go now, not when the thread takes its next job
             with self._lock:
                 self.done += 1
+                # a finished job leaves the pool: the pool holds only waiting and running jobs
+                if job in self._jobs:
+                    self._jobs.remove(job)
             self._update_bar(advance=True)
 
     def _update_bar(self, *, advance: bool = False) -> None:
@@ -161,13 +180,7 @@ class AttackPool:
         """Wait until every queued job has finished; return whether all did within ``timeout``."""
         with self._lock:
             futures = [job.future for job in self._jobs if job.future is not None]
-        finished, unfinished = wait(futures, timeout=timeout)
-        for future in finished:
-            if not future.cancelled() and future.exception() is not None:
-                # jobs record their own failures; this is a bug in a job, never a reason to stop the run
-                logger.error("an attack job raised: %r", future.exception())
-        with self._lock:
-            self._jobs = [job for job in self._jobs if job.future is not None and not job.future.done()]
+        _, unfinished = wait(futures, timeout=timeout)
         return not unfinished
 
     def close(self) -> None:

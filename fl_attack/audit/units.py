@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,7 +11,7 @@ import numpy as np
 from fl_attack.results.recovery import KIND_FEATURES, KIND_TABULAR, SampleFlags, sample_flags
 from fl_attack.simulate.secagg import SecAggPlusQuantization, secagg_observed_sum
 
-from .layer import LayerDelta, LayerKeys
+from .layer import LayerDelta, LayerKeys, SentLayer
 from .observations import ClientUpdate
 from .workers import AttackResult
 
@@ -24,11 +24,33 @@ _MEAN_KEYS = {KIND_FEATURES: "mean_relative_error", KIND_TABULAR: "mean_features
 
 @dataclass(frozen=True)
 class Prepared:
-    """One unit's observed update, ready for a worker."""
+    """One unit's observed update, ready for a worker.
+
+    ``update`` is the observed :class:`LayerDelta`, or, for one client's single-precision
+    update, the :class:`SentLayer` it is computed from: a queued unit then holds the client's
+    float32 layer (half the float64 difference) and shares the round's global layer with the
+    round's other units. :attr:`delta` is the same :class:`LayerDelta` either way.
+    """
 
     server_round: int
     members: list[ClientUpdate]
-    delta: LayerDelta
+    update: LayerDelta | SentLayer
+
+    @property
+    def delta(self) -> LayerDelta:
+        """The observed float64 update (computed anew from a :class:`SentLayer` at every access)."""
+        update = self.update
+        return update.delta() if isinstance(update, SentLayer) else update
+
+    def materialized(self) -> Prepared:
+        """This unit with its :class:`LayerDelta` computed once, for the attack that runs now
+        (a spilled update's file is removed: :meth:`SentLayer.take`)."""
+        return self if isinstance(self.update, LayerDelta) else replace(self, update=self.update.take())
+
+    def discard(self) -> None:
+        """The unit is never attacked (dropped): remove its spilled file, if any."""
+        if isinstance(self.update, SentLayer):
+            self.update.discard()
 
 
 def unit_name(members: Sequence[ClientUpdate]) -> str:
