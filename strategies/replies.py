@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeGuard
 
 import numpy as np
@@ -76,8 +76,33 @@ def ground_truth(content: RecordDict) -> GroundTruth | None:
     return None if indices is None else GroundTruth(indices=indices)
 
 
-def model_arrays(content: RecordDict) -> dict[str, np.ndarray]:
-    """The reply's model arrays (its one ArrayRecord besides the ground truth) as numpy.
+class DecodedOnRead(Mapping[str, np.ndarray]):
+    """An ArrayRecord's arrays as numpy, each decoded when it is read (in the record's order).
+
+    The audit reads one layer of each reply; decoding the whole model of every reply on the
+    round's critical path (the inner strategy decodes them again to aggregate) cost most of the
+    audit's time in the round. A decoding failure raises ``ValueError`` naming the array.
+    """
+
+    def __init__(self, record: ArrayRecord) -> None:
+        self._record = record
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        array = self._record[key]
+        try:
+            return array.numpy()
+        except Exception as failure:  # any undecodable payload is a malformed reply
+            raise ValueError(f"array {key!r} of the reply cannot be decoded: {failure}") from failure
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._record.keys())
+
+    def __len__(self) -> int:
+        return len(self._record)
+
+
+def model_arrays(content: RecordDict) -> Mapping[str, np.ndarray]:
+    """The reply's model arrays (its one ArrayRecord besides the ground truth) as numpy, decoded on read.
 
     Raises
     ------
@@ -87,7 +112,7 @@ def model_arrays(content: RecordDict) -> dict[str, np.ndarray]:
     records = [record for key, record in content.array_records.items() if key != GROUND_TRUTH_KEY]
     if len(records) != 1:
         raise ValueError(f"expected exactly one model ArrayRecord in the reply, found {len(records)}")
-    return {key: array.numpy() for key, array in records[0].items()}
+    return DecodedOnRead(records[0])
 
 
 def reported_examples(content: RecordDict) -> int | None:
@@ -132,7 +157,7 @@ def to_client_update(reply: Message) -> ClientUpdate:
         )
         truth = None
     try:
-        arrays: dict[str, np.ndarray] | None = model_arrays(content)
+        arrays: Mapping[str, np.ndarray] | None = model_arrays(content)
         error = None
     except Exception as failure:  # any malformed reply is recorded, never raised
         arrays, error = None, f"{type(failure).__name__}: {failure}"
