@@ -23,6 +23,7 @@ from fl_attack.pipeline.candidates import (
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
+from fl_attack.pipeline.input_side import interleave_input_side
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
@@ -338,7 +339,7 @@ class GradientInversionAttack(ABC):
             proposals_iter = (
                 iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)])
                 if b == 1
-                else self._proposals(state)
+                else interleave_input_side(self._proposals(state), state, scorer)
             )
             if state.head is not None and b > 1:
                 head = HeadRounds.for_pool(

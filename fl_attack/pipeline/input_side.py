@@ -1,0 +1,334 @@
+"""Directions from the input side: vertices of the cone of non-negative inputs.
+
+SPEAR searches the gradient side ``dW = L R``: a sample's column ``L q`` is sparse because of
+the attacked layer's own ReLU. The input side is sparse too when the layer's inputs are
+non-negative with exact zeros (pooled ReLU features of a CNN, one-hot columns, pixel
+backgrounds). With ``R = S V^T`` (``V`` orthonormal, ``(n, b)``) every input is ``x = V u``
+for some ``u``, and the cone ``C = {u : V u >= 0}`` holds every sample's ``u``. A sample whose
+zeros pin ``b - 1`` independent rows of ``V`` is an extreme ray of ``C``: a vertex of the
+linear programme ``min w^T V u`` subject to ``V u >= 0`` and ``1^T V u = 1``, reached by
+objectives ``w >= 0`` that weigh its zeros (reweighted l1: ``w_j = 1 / (x_j + delta)`` of the
+previous vertex). A mixture with coefficients of both signs leaves the cone, one with
+positive coefficients is zero only on the intersection of its samples' zeros: it has fewer
+zeros than its samples and is ranked below them.
+
+An input ``x`` is turned into its gradient-side direction by the layer's known weight and
+bias: along ``alpha x`` the ReLU pattern of ``alpha W x + bias`` changes at ``m`` breakpoints,
+and at the sample's true scale the inactive rows of ``L`` share a kernel, ``q``
+(the line scan of :mod:`fl_attack.pipeline.last_direction`). Those directions enter the candidate
+pool like any other proposal: the same filters, selection and self-check decide.
+
+The input side is used only where it applies: when the cone is empty (inputs of both signs)
+one small linear programme says so, and the search goes on as before.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from scipy.optimize import linprog
+
+from fl_attack.pipeline.candidates import CandidatePool
+from fl_attack.pipeline.deadline import expired
+from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
+from fl_attack.pipeline.last_direction import _scan_line
+from fl_attack.pipeline.select import SparsityMatchingScorer
+from fl_attack.pipeline.sparsity import ZeroTolerance, refine_on_zeros
+
+#: Reweighting passes per vertex: each moves the objective's weight onto the zeros found.
+REWEIGHT_PASSES = 2
+
+#: A vertex is kept when it has at least this many input zeros beyond the ``b - 1`` any
+#: vertex has: a real sparse input has tens to hundreds more.
+MIN_EXTRA_ZEROS = 2
+
+#: Input-side rounds stop after this many rounds in a row add no new candidate to the pool.
+STALE_ROUNDS = 3
+
+
+class SearchContext(Protocol):
+    """What the input-side rounds read from the attack's search state."""
+
+    factors: LowRankFactors
+    pool: CandidatePool
+    generator: torch.Generator
+    deadline: float
+    stats: dict[str, Any]
+    active: torch.Tensor
+    noisy: bool
+
+
+@dataclass(frozen=True)
+class InputSide:
+    """The input side of a low-rank update, restricted to the features that vary in the batch.
+
+    Attributes
+    ----------
+    basis
+        ``(n', b)`` orthonormal ``V`` on the live features: every input is ``basis @ u`` there.
+    scales
+        ``(b,)`` singular values ``S``: ``u = S p`` for a row ``p`` of ``Q^{-1}``.
+    tolerance
+        Zero tolerance for the entries of a unit input ``basis @ u``.
+    live
+        ``(n,)`` bool: features not zero for the whole batch.
+    """
+
+    basis: torch.Tensor
+    scales: torch.Tensor
+    tolerance: ZeroTolerance
+    live: torch.Tensor
+
+    @classmethod
+    def from_factors(
+        cls, factors: LowRankFactors, *, relative_noise: float, relative_zero: float
+    ) -> InputSide:
+        """The input side of ``factors`` (``right = S V^T``).
+
+        ``relative_zero`` is the gradient side's zero tolerance times the square root of its
+        width: the same tolerance relative to a typical entry is used for unit inputs.
+        """
+        b = factors.batch_size
+        scales = factors.singular_values[:b].to(factors.right.dtype)
+        basis = (factors.right / scales[:, None]).T
+        width = basis.shape[0]
+        live = basis.norm(dim=1) > relative_zero / math.sqrt(width)  # zero for every sample: pins nothing
+        count = max(int(live.sum()), 1)
+        tolerance = ZeroTolerance(absolute=relative_zero / math.sqrt(count), relative_noise=relative_noise)
+        return cls(basis=basis[live].contiguous(), scales=scales, tolerance=tolerance, live=live)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.basis.shape[1])
+
+    def vertex(self, weights: np.ndarray) -> np.ndarray | None:
+        """``u`` minimising ``weights^T V u`` over ``V u >= -tol``, ``1^T V u = 1``; None if none exists.
+
+        The slack ``tol`` keeps the true inputs feasible when rounding or noise makes their
+        zeros slightly negative.
+        """
+        matrix = self.basis.detach().cpu().numpy()
+        b = matrix.shape[1]
+        result = linprog(
+            weights @ matrix,
+            A_ub=-matrix,
+            b_ub=np.full(matrix.shape[0], self.tolerance.absolute),
+            A_eq=matrix.sum(axis=0)[None, :],
+            b_eq=np.ones(1),
+            bounds=[(None, None)] * b,
+            method="highs",
+        )
+        if result.status != 0 or result.x is None:
+            return None
+        vertex: np.ndarray = result.x
+        return vertex
+
+    def is_empty(self) -> bool:
+        """Whether no non-negative input lies in the span (inputs of both signs): one LP."""
+        return self.vertex(np.zeros(self.basis.shape[0])) is None
+
+    def inputs(self, directions: torch.Tensor) -> torch.Tensor:
+        """``(k, n')`` unit inputs ``V u`` of ``(k, b)`` directions (any norm)."""
+        unit = directions / directions.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        return unit @ self.basis.T
+
+    def refine(self, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Polish ``(k, b)`` vertices on their input zeros and orient them non-negative.
+
+        Returns the unit directions of the vertices that are non-negative up to the tolerance
+        with at least ``b - 1 + MIN_EXTRA_ZEROS`` zeros, and those zero counts.
+        """
+        b = self.batch_size
+        as_factors = _input_side_factors(self)
+        refined = refine_on_zeros(as_factors, directions, self.tolerance)
+        refined = refined / refined.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        values = self.inputs(refined)
+        refined = refined * torch.where(values.sum(dim=1, keepdim=True) < 0, -1.0, 1.0).to(refined.dtype)
+        values = self.inputs(refined)
+        limit = self.tolerance.absolute
+        zeros = (values.abs() <= limit).sum(dim=1)
+        # both signs beyond the noise: a mixture with coefficients of opposite signs
+        one_signed = (values >= -limit).all(dim=1)
+        keep = one_signed & (zeros >= b - 1 + MIN_EXTRA_ZEROS)
+        return refined[keep], zeros[keep]
+
+
+def _input_side_factors(side: InputSide) -> LowRankFactors:
+    """``side.basis`` as the left factor, so that the gradient side's kernel tools apply to it."""
+    spectrum = SpectrumEstimate(side.batch_size, math.inf, side.tolerance.relative_noise, False)
+    return LowRankFactors(left=side.basis, right=side.basis.T, singular_values=side.scales, spectrum=spectrum)
+
+
+def cone_vertices(
+    side: InputSide, *, count: int, generator: torch.Generator, deadline: float = math.inf
+) -> torch.Tensor:
+    """Up to ``count`` vertices ``u`` of the cone of non-negative inputs, by reweighted l1.
+
+    Each starts from random positive feature weights; every pass reweighs the features by
+    ``1 / (x_j + delta)`` of the vertex found, which pulls the next vertex towards the one with
+    the most zeros around it. Stops at ``deadline`` (after the linear programme in progress).
+    """
+    n = side.basis.shape[0]
+    found: list[torch.Tensor] = []
+    delta = 10.0 * side.tolerance.absolute
+    for _ in range(count):
+        if expired(deadline):
+            break
+        weights = torch.rand(n, generator=generator, dtype=torch.float64).numpy()
+        vertex = None
+        for _ in range(1 + REWEIGHT_PASSES):
+            step = side.vertex(weights)
+            if step is None or expired(deadline):
+                break
+            vertex = step
+            values = side.basis.detach().cpu().numpy() @ vertex
+            weights = 1.0 / (np.clip(values, 0.0, None) + delta)
+        if vertex is not None:
+            found.append(torch.from_numpy(vertex).to(side.basis.dtype))
+    if not found:
+        return side.basis.new_zeros(0, side.batch_size)
+    return torch.stack(found).to(side.basis.device)
+
+
+def gradient_directions(
+    side: InputSide,
+    directions: torch.Tensor,
+    *,
+    left: torch.Tensor,
+    pre_activation_basis: torch.Tensor,
+    bias: torch.Tensor,
+    tolerance: ZeroTolerance,
+    min_zeros: int,
+    deadline: float = math.inf,
+) -> torch.Tensor:
+    """Gradient-side directions ``q`` of ``(k, b)`` input-side directions ``u``.
+
+    The input ``x = R^T (u / S)`` has pre-activations ``alpha (W R^T)(u / S) + bias`` at its
+    unknown scale ``alpha``; the scan over ``alpha`` finds the ReLU pattern whose inactive
+    rows of ``left`` share a kernel (the line scan of :mod:`fl_attack.pipeline.last_direction`).
+
+    Parameters
+    ----------
+    side
+        The input side the directions belong to.
+    directions
+        ``(k, b)`` input-side directions.
+    left
+        ``(m', b)`` orthonormal left factor on the informative neurons.
+    pre_activation_basis
+        ``(m', b)`` ``W R^T`` on the same neurons.
+    bias
+        ``(m',)`` the layer's bias on those neurons.
+    tolerance
+        Zero tolerance of unit gradient columns.
+    min_zeros
+        Patterns with fewer inactive neurons are not scanned.
+    deadline
+        ``time.perf_counter()`` value after which no further input is scanned.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(j, b)`` unit directions, the best kernel of each input whose scan found one.
+    """
+    b = side.batch_size
+    slopes = pre_activation_basis @ (directions / side.scales).T  # (m', k)
+    found = []
+    for index in range(directions.shape[0]):
+        if expired(deadline):
+            break
+        hits = _scan_line(
+            left,
+            slopes[:, index],
+            bias,
+            minimum=max(min_zeros, b - 1),
+            tolerance=tolerance.absolute,
+            chunk=256,
+            deadline=deadline,
+        )
+        if hits:
+            found.append(min(hits, key=lambda item: item[0])[1])
+    if not found:
+        return left.new_zeros(0, b)
+    return torch.stack(found)
+
+
+def interleave_input_side(
+    proposals: Iterator[torch.Tensor], state: SearchContext, scorer: SparsityMatchingScorer
+) -> Iterator[torch.Tensor]:
+    """The attack's proposal rounds with input-side rounds between them, where they apply.
+
+    Each input-side round spends at most as long as the attack's previous round (at least one
+    second) on cone vertices; the rounds stop when the cone is empty, when ``STALE_ROUNDS``
+    rounds in a row add nothing to the pool, or at the deadline. ``state.stats`` records
+    ``input_side`` (``"used"`` or why not), ``input_side_vertices`` and
+    ``input_side_proposals``.
+    """
+    factors = state.factors
+    b = factors.batch_size
+    if b < 2:
+        yield from proposals
+        return
+    gradient_zero = state.pool.tolerance
+    side = InputSide.from_factors(
+        factors,
+        relative_noise=gradient_zero.relative_noise,
+        relative_zero=gradient_zero.absolute * math.sqrt(scorer.update.width),
+    )
+    if side.basis.shape[0] <= b or side.is_empty():
+        state.stats["input_side"] = "no non-negative inputs in the span"
+        yield from proposals
+        return
+    state.stats.update(input_side="used", input_side_vertices=0, input_side_proposals=0)
+    stale = 0
+    round_seconds = 1.0
+    for batch in _timed(proposals):
+        seconds, directions = batch
+        round_seconds = max(1.0, seconds)
+        yield directions
+        if stale >= STALE_ROUNDS or expired(state.deadline):
+            continue
+        before = len(state.pool)
+        until = min(state.deadline, time.perf_counter() + round_seconds)
+        vertices = cone_vertices(side, count=2 * b, generator=state.generator, deadline=until)
+        refined, _ = side.refine(vertices) if vertices.shape[0] else (vertices, None)
+        candidates = gradient_directions(
+            side,
+            refined,
+            left=factors.left,
+            pre_activation_basis=scorer.pre_activation_basis[state.active],
+            bias=scorer.update.bias[state.active],
+            tolerance=state.pool.tolerance,
+            min_zeros=state.pool.weak_min_zeros,
+            deadline=state.deadline,
+        )
+        state.stats["input_side_vertices"] += int(refined.shape[0])
+        state.stats["input_side_proposals"] += int(candidates.shape[0])
+        yield candidates
+        stale = stale + 1 if len(state.pool) == before else 0
+
+
+def _timed(proposals: Iterator[torch.Tensor]) -> Iterator[tuple[float, torch.Tensor]]:
+    """``proposals`` with the seconds each took to produce."""
+    while True:
+        started = time.perf_counter()
+        try:
+            directions = next(proposals)
+        except StopIteration:
+            return
+        yield time.perf_counter() - started, directions
+
+
+__all__ = [
+    "InputSide",
+    "SearchContext",
+    "cone_vertices",
+    "gradient_directions",
+    "interleave_input_side",
+]
