@@ -15,7 +15,7 @@ zeros than its samples and is ranked below them.
 An input ``x`` is turned into its gradient-side direction by the layer's known weight and
 bias: along ``alpha x`` the ReLU pattern of ``alpha W x + bias`` changes at ``m`` breakpoints,
 and at the sample's true scale the inactive rows of ``L`` share a kernel, ``q``
-(the line scan of :mod:`fl_attack.pipeline.last_direction`). Those directions enter the candidate
+(as :mod:`fl_attack.pipeline.last_direction` scans its lines). Those directions enter the candidate
 pool like any other proposal: the same filters, selection and self-check decide.
 
 The input side is used only where it applies: when the cone is empty (inputs of both signs)
@@ -37,7 +37,6 @@ from scipy.optimize import linprog
 from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
-from fl_attack.pipeline.last_direction import _scan_line
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance, refine_on_zeros
 
@@ -47,6 +46,13 @@ REWEIGHT_PASSES = 2
 #: A vertex is kept when it has at least this many input zeros beyond the ``b - 1`` any
 #: vertex has: a real sparse input has tens to hundreds more.
 MIN_EXTRA_ZEROS = 2
+
+#: Smallest singular value per row below which a pattern's rows count as sharing a kernel
+#: (the pool re-checks every proposal's zeros at the attack's own tolerance).
+KERNEL_FLOOR = 1e-6
+
+#: Flops of the Gram matrices built at once while scanning one input's patterns.
+PATTERN_CHUNK_FLOPS = 5e7
 
 #: Input-side rounds stop after this many rounds in a row add no new candidate to the pool.
 STALE_ROUNDS = 3
@@ -196,6 +202,51 @@ def cone_vertices(
     return torch.stack(found).to(side.basis.device)
 
 
+def _pattern_kernels(
+    left: torch.Tensor,
+    slope: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    minimum: int,
+    tolerance: float,
+    chunk: int,
+    deadline: float,
+) -> list[tuple[float, torch.Tensor]]:
+    """Kernels of the inactive rows of ``left`` for the patterns of ``alpha * slope + bias <= 0``, ``alpha > 0``.
+
+    One probe per interval between consecutive positive breakpoints (and beyond the last);
+    a pattern of at least ``minimum`` rows whose smallest singular value per row is within
+    ``10 * tolerance`` (at least ``KERNEL_FLOOR``: the Gram matrix squares float64 digits away)
+    gives its kernel vector.
+    """
+    usable = slope != 0
+    breakpoints = -bias[usable] / slope[usable]
+    breakpoints = torch.sort(breakpoints[breakpoints > 0]).values
+    if breakpoints.numel() == 0:
+        probes = torch.ones(1, dtype=left.dtype, device=left.device)
+    else:
+        probes = torch.cat(
+            [breakpoints[:1] / 2, (breakpoints[:-1] + breakpoints[1:]) / 2, 2 * breakpoints[-1:]]
+        )
+    limit = max(10.0 * tolerance, KERNEL_FLOOR)
+    found: list[tuple[float, torch.Tensor]] = []
+    for start in range(0, probes.numel(), chunk):
+        if expired(deadline):
+            break
+        inactive = (probes[start : start + chunk, None] * slope[None, :] + bias[None, :]) <= 0
+        counts = inactive.sum(dim=1)
+        inactive = inactive[counts >= minimum].to(left.dtype)
+        if inactive.shape[0] == 0:
+            continue
+        grams = torch.einsum("pm,mi,mj->pij", inactive, left, left)
+        eigenvalues, eigenvectors = torch.linalg.eigh(grams)
+        residual = eigenvalues[:, 0].clamp_min(0).sqrt() / inactive.sum(dim=1).sqrt()
+        for value, vector in zip(residual.tolist(), eigenvectors[:, :, 0], strict=True):
+            if value <= limit:
+                found.append((value, vector))
+    return found
+
+
 def gradient_directions(
     side: InputSide,
     directions: torch.Tensor,
@@ -207,11 +258,11 @@ def gradient_directions(
     min_zeros: int,
     deadline: float = math.inf,
 ) -> torch.Tensor:
-    """Gradient-side directions ``q`` of ``(k, b)`` input-side directions ``u``.
+    """Gradient-side directions ``q`` of ``(k, b)`` input-side directions ``u`` (oriented non-negative).
 
     The input ``x = R^T (u / S)`` has pre-activations ``alpha (W R^T)(u / S) + bias`` at its
-    unknown scale ``alpha``; the scan over ``alpha`` finds the ReLU pattern whose inactive
-    rows of ``left`` share a kernel (the line scan of :mod:`fl_attack.pipeline.last_direction`).
+    unknown scale ``alpha > 0``; the scan over ``alpha`` finds the ReLU pattern whose inactive
+    rows of ``left`` share a kernel.
 
     Parameters
     ----------
@@ -228,7 +279,7 @@ def gradient_directions(
     tolerance
         Zero tolerance of unit gradient columns.
     min_zeros
-        Patterns with fewer inactive neurons are not scanned.
+        Patterns with fewer inactive neurons are not considered.
     deadline
         ``time.perf_counter()`` value after which no further input is scanned.
 
@@ -237,19 +288,20 @@ def gradient_directions(
     torch.Tensor
         ``(j, b)`` unit directions, the best kernel of each input whose scan found one.
     """
-    b = side.batch_size
+    m, b = left.shape
     slopes = pre_activation_basis @ (directions / side.scales).T  # (m', k)
+    chunk = max(1, min(256, int(PATTERN_CHUNK_FLOPS // max(1, m * b * b))))
     found = []
     for index in range(directions.shape[0]):
         if expired(deadline):
             break
-        hits = _scan_line(
+        hits = _pattern_kernels(
             left,
             slopes[:, index],
             bias,
             minimum=max(min_zeros, b - 1),
             tolerance=tolerance.absolute,
-            chunk=256,
+            chunk=chunk,
             deadline=deadline,
         )
         if hits:
