@@ -35,7 +35,8 @@ def float32_update(seed: int) -> SyntheticUpdate:
 
 
 def attack(update: SyntheticUpdate, *, budget: float) -> Reconstruction:
-    return SpearPlusPlus(device="cpu", seed=0, time_budget=budget, progress=False).invert(**update.arrays())
+    attacker = SpearPlusPlus(device="cpu", seed=0, time_budget=budget, progress=False)
+    return attacker.invert(update.weight_grad, update.bias_grad, weight=update.weight, bias=update.bias)
 
 
 def recovered_rows(reconstruction: Reconstruction, truth: torch.Tensor, *, tolerance: float = 1e-4) -> int:
@@ -112,7 +113,11 @@ def test_cone_vertices_reach_true_samples() -> None:
 def test_gradient_directions_are_the_true_columns() -> None:
     update = relu_layer_update(pooled_relu_batch(4), width=WIDTH, seed=4)
     observed = ObservedUpdate.from_arrays(
-        update.weight_grad, update.bias_grad, weight=update.weight, bias=update.bias, device="cpu"
+        update.weight_grad,
+        update.bias_grad,
+        weight=update.weight,
+        bias=update.bias,
+        device=torch.device("cpu"),
     )
     factors = decompose(observed.weight_grad, batch_size=BATCH)
     side, truth = true_input_side(update)
