@@ -54,6 +54,12 @@ KERNEL_FLOOR = 1e-6
 #: Flops of the Gram matrices built at once while scanning one input's patterns.
 PATTERN_CHUNK_FLOPS = 5e7
 
+#: The input side is tried only with at least this many live features per sample.
+MIN_FEATURES_PER_SAMPLE = 2
+
+#: An input-side round may always spend this long, even after a faster round of the attack.
+MIN_ROUND_SECONDS = 0.2
+
 #: Input-side rounds stop after this many rounds in a row add no new candidate to the pool.
 STALE_ROUNDS = 3
 
@@ -316,11 +322,14 @@ def interleave_input_side(
 ) -> Iterator[torch.Tensor]:
     """The attack's proposal rounds with input-side rounds between them, where they apply.
 
-    Each input-side round spends at most as long as the attack's previous round (at least one
-    second) on cone vertices; the rounds stop when the cone is empty, when ``STALE_ROUNDS``
-    rounds in a row add nothing to the pool, or at the deadline. ``state.stats`` records
-    ``input_side`` (``"used"`` or why not), ``input_side_vertices`` and
-    ``input_side_proposals``.
+    After each of the attack's rounds, an input-side round spends at most as long on cone
+    vertices (at least ``MIN_ROUND_SECONDS``). The input side is not used when the live features
+    are fewer than ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few
+    dimensions meets the non-negative orthant anyway), when the cone is empty (inputs of both
+    signs: one linear programme), or when the first round finds no vertex sparser than a
+    generic one; the rounds stop once ``STALE_ROUNDS`` rounds in a row add nothing to the pool,
+    or at the deadline. ``state.stats`` records ``input_side`` (``"used"`` or why not),
+    ``input_side_vertices`` and ``input_side_proposals``.
     """
     factors = state.factors
     b = factors.batch_size
@@ -333,23 +342,28 @@ def interleave_input_side(
         relative_noise=gradient_zero.relative_noise,
         relative_zero=gradient_zero.absolute * math.sqrt(scorer.update.width),
     )
-    if side.basis.shape[0] <= b or side.is_empty():
+    if side.basis.shape[0] < MIN_FEATURES_PER_SAMPLE * b:
+        state.stats["input_side"] = f"fewer than {MIN_FEATURES_PER_SAMPLE} live features per sample"
+        yield from proposals
+        return
+    if side.is_empty():
         state.stats["input_side"] = "no non-negative inputs in the span"
         yield from proposals
         return
     state.stats.update(input_side="used", input_side_vertices=0, input_side_proposals=0)
     stale = 0
-    round_seconds = 1.0
-    for batch in _timed(proposals):
-        seconds, directions = batch
-        round_seconds = max(1.0, seconds)
+    for seconds, directions in _timed(proposals):
         yield directions
         if stale >= STALE_ROUNDS or expired(state.deadline):
             continue
         before = len(state.pool)
-        until = min(state.deadline, time.perf_counter() + round_seconds)
+        until = min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds))
         vertices = cone_vertices(side, count=2 * b, generator=state.generator, deadline=until)
-        refined, _ = side.refine(vertices) if vertices.shape[0] else (vertices, None)
+        refined, _ = side.refine(vertices)
+        if state.stats["input_side_vertices"] == 0 and refined.shape[0] == 0:
+            state.stats["input_side"] = "no sparse non-negative vertex"
+            stale = STALE_ROUNDS
+            continue
         candidates = gradient_directions(
             side,
             refined,
