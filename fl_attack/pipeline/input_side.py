@@ -7,8 +7,9 @@ backgrounds). With ``R = S V^T`` (``V`` orthonormal, ``(n, b)``) every input is 
 for some ``u``, and the cone ``C = {u : V u >= 0}`` holds every sample's ``u``. A sample whose
 zeros pin ``b - 1`` independent rows of ``V`` is an extreme ray of ``C``: a vertex of the
 linear programme ``min w^T V u`` subject to ``V u >= 0`` and ``1^T V u = 1``, reached by
-objectives ``w >= 0`` that weigh its zeros (reweighted l1: ``w_j = 1 / (x_j + delta)`` of the
-previous vertex). A mixture with coefficients of both signs leaves the cone, one with
+random positive feature weights ``w`` (a weighted l1 norm, linear on the cone). Directions
+already in the pool narrow the search: a row of ``Q^{-1}`` is orthogonal to every other
+sample's column of ``Q``. A mixture with coefficients of both signs leaves the cone, one with
 positive coefficients is zero only on the intersection of its samples' zeros: it has fewer
 zeros than its samples and is ranked below them.
 
@@ -18,8 +19,9 @@ and at the sample's true scale the inactive rows of ``L`` share a kernel, ``q``
 (as :mod:`fl_attack.pipeline.last_direction` scans its lines). Those directions enter the candidate
 pool like any other proposal: the same filters, selection and self-check decide.
 
-The input side is used only where it applies: when the cone is empty (inputs of both signs)
-one small linear programme says so, and the search goes on as before.
+The input side is used only where it applies (see :func:`interleave_input_side`): when the
+cone is empty (inputs of both signs) one small linear programme says so, and the search goes
+on as before.
 """
 
 from __future__ import annotations
@@ -39,9 +41,6 @@ from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance, refine_on_zeros
-
-#: Reweighting passes per vertex: each moves the objective's weight onto the zeros found.
-REWEIGHT_PASSES = 2
 
 #: A vertex is kept when it has at least this many input zeros beyond the ``b - 1`` any
 #: vertex has: a real sparse input has tens to hundreds more.
@@ -119,20 +118,30 @@ class InputSide:
     def batch_size(self) -> int:
         return int(self.basis.shape[1])
 
-    def vertex(self, weights: np.ndarray) -> np.ndarray | None:
+    def vertex(self, weights: np.ndarray, *, orthogonal_to: np.ndarray | None = None) -> np.ndarray | None:
         """``u`` minimising ``weights^T V u`` over ``V u >= -tol``, ``1^T V u = 1``; None if none exists.
 
         The slack ``tol`` keeps the true inputs feasible when rounding or noise makes their
-        zeros slightly negative.
+        zeros slightly negative. ``orthogonal_to`` (``(k, b)`` gradient-side directions ``q``)
+        adds ``(q / S)^T u = 0``: a row ``p`` of ``Q^{-1}`` is orthogonal to the columns of
+        ``Q`` of every other sample, so the samples not among the ``q`` (and not mixed into
+        them) stay feasible while the others are cut off.
         """
         matrix = self.basis.detach().cpu().numpy()
         b = matrix.shape[1]
+        equalities = matrix.sum(axis=0)[None, :]
+        targets = np.ones(1)
+        if orthogonal_to is not None and orthogonal_to.shape[0]:
+            rows = orthogonal_to / self.scales.detach().cpu().numpy()
+            rows = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+            equalities = np.concatenate([equalities, rows])
+            targets = np.concatenate([targets, np.zeros(rows.shape[0])])
         result = linprog(
             weights @ matrix,
             A_ub=-matrix,
             b_ub=np.full(matrix.shape[0], self.tolerance.absolute),
-            A_eq=matrix.sum(axis=0)[None, :],
-            b_eq=np.ones(1),
+            A_eq=equalities,
+            b_eq=targets,
             bounds=[(None, None)] * b,
             method="highs",
         )
@@ -178,29 +187,34 @@ def _input_side_factors(side: InputSide) -> LowRankFactors:
 
 
 def cone_vertices(
-    side: InputSide, *, count: int, generator: torch.Generator, deadline: float = math.inf
+    side: InputSide,
+    *,
+    count: int,
+    generator: torch.Generator,
+    known: torch.Tensor | None = None,
+    deadline: float = math.inf,
 ) -> torch.Tensor:
-    """Up to ``count`` vertices ``u`` of the cone of non-negative inputs, by reweighted l1.
+    """Up to ``count`` vertices ``u`` of the cone of non-negative inputs.
 
-    Each starts from random positive feature weights; every pass reweighs the features by
-    ``1 / (x_j + delta)`` of the vertex found, which pulls the next vertex towards the one with
-    the most zeros around it. Stops at ``deadline`` (after the linear programme in progress).
+    Each minimises a random positive weighting of the features (an l1 norm with random
+    weights, linear on the cone). With ``known`` ``(k, b)`` gradient-side directions, each
+    programme is also restricted to the inputs orthogonal to a random subset of at most
+    ``b - 2`` of them (:meth:`InputSide.vertex`), which steers it to samples not yet found.
+    Stops at ``deadline`` (after the linear programme in progress).
     """
-    n = side.basis.shape[0]
+    n, b = side.basis.shape
     found: list[torch.Tensor] = []
-    delta = 10.0 * side.tolerance.absolute
+    pool = known.detach().cpu().numpy() if known is not None else np.zeros((0, b))
     for _ in range(count):
         if expired(deadline):
             break
         weights = torch.rand(n, generator=generator, dtype=torch.float64).numpy()
-        vertex = None
-        for _ in range(1 + REWEIGHT_PASSES):
-            step = side.vertex(weights)
-            if step is None or expired(deadline):
-                break
-            vertex = step
-            values = side.basis.detach().cpu().numpy() @ vertex
-            weights = 1.0 / (np.clip(values, 0.0, None) + delta)
+        size = min(pool.shape[0], b - 2)
+        chosen = None
+        if size > 0:
+            size = int(torch.randint(0, size + 1, (1,), generator=generator))
+            chosen = pool[torch.randperm(pool.shape[0], generator=generator)[:size].numpy()]
+        vertex = side.vertex(weights, orthogonal_to=chosen)
         if vertex is not None:
             found.append(torch.from_numpy(vertex).to(side.basis.dtype))
     if not found:
@@ -358,7 +372,9 @@ def interleave_input_side(
             continue
         before = len(state.pool)
         until = min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds))
-        vertices = cone_vertices(side, count=2 * b, generator=state.generator, deadline=until)
+        vertices = cone_vertices(
+            side, count=2 * b, generator=state.generator, known=state.pool.directions, deadline=until
+        )
         refined, _ = side.refine(vertices)
         if state.stats["input_side_vertices"] == 0 and refined.shape[0] == 0:
             state.stats["input_side"] = "no sparse non-negative vertex"
