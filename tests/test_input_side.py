@@ -163,3 +163,13 @@ def test_complete_is_never_claimed_for_a_wrong_batch() -> None:
             claimed += 1
             assert recovered_rows(reconstruction, update.inputs) == BATCH
     assert claimed >= 1
+
+
+def test_directions_of_the_wrong_size_are_refused() -> None:
+    update = relu_layer_update(pooled_relu_batch(9), width=WIDTH, seed=9)
+    side, _ = true_input_side(update)
+    wrong = torch.ones(2, BATCH + 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"directions must have shape \(k, 10\), got \(2, 11\)"):
+        side.refine(wrong)
+    with pytest.raises(ValueError, match="count must be >= 0, got -1"):
+        cone_vertices(side, count=-1, generator=torch.Generator())

@@ -166,6 +166,7 @@ class InputSide:
         with at least ``b - 1 + MIN_EXTRA_ZEROS`` zeros, and those zero counts.
         """
         b = self.batch_size
+        _check_directions(directions, b)
         as_factors = _input_side_factors(self)
         refined = refine_on_zeros(as_factors, directions, self.tolerance)
         refined = refined / refined.norm(dim=1, keepdim=True).clamp_min(1e-300)
@@ -178,6 +179,11 @@ class InputSide:
         one_signed = (values >= -limit).all(dim=1)
         keep = one_signed & (zeros >= b - 1 + MIN_EXTRA_ZEROS)
         return refined[keep], zeros[keep]
+
+
+def _check_directions(directions: torch.Tensor, size: int) -> None:
+    if directions.ndim != 2 or directions.shape[1] != size:
+        raise ValueError(f"directions must have shape (k, {size}), got {tuple(directions.shape)}")
 
 
 def _input_side_factors(side: InputSide) -> LowRankFactors:
@@ -203,6 +209,10 @@ def cone_vertices(
     Stops at ``deadline`` (after the linear programme in progress).
     """
     n, b = side.basis.shape
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if known is not None:
+        _check_directions(known, b)
     found: list[torch.Tensor] = []
     pool = known.detach().cpu().numpy() if known is not None else np.zeros((0, b))
     for _ in range(count):
@@ -309,6 +319,12 @@ def gradient_directions(
         ``(j, b)`` unit directions, the best kernel of each input whose scan found one.
     """
     m, b = left.shape
+    _check_directions(directions, side.batch_size)
+    if side.batch_size != b or pre_activation_basis.shape != (m, b) or bias.shape != (m,):
+        raise ValueError(
+            f"left {tuple(left.shape)}, pre_activation_basis {tuple(pre_activation_basis.shape)} and bias "
+            f"{tuple(bias.shape)} must be (m, b), (m, b) and (m,) with b = {side.batch_size}"
+        )
     slopes = pre_activation_basis @ (directions / side.scales).T  # (m', k)
     chunk = max(1, min(256, int(PATTERN_CHUNK_FLOPS // max(1, m * b * b))))
     found = []
