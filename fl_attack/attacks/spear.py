@@ -336,11 +336,8 @@ class GradientInversionAttack(ABC):
             total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None, leave=False
         )
         try:
-            proposals_iter = (
-                iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)])
-                if b == 1
-                else interleave_input_side(self._proposals(state), state, scorer)
-            )
+            single = iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)])
+            proposals_iter = interleave_input_side(self._proposals(state), state, scorer) if b > 1 else single
             if state.head is not None and b > 1:
                 head = HeadRounds.for_pool(
                     state.pool,
