@@ -15,7 +15,12 @@ import torch
 import fl_attack.attacks.spear as spear_module
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.input_side import InputSide, cone_vertices, gradient_directions
+from fl_attack.pipeline.input_side import (
+    MAX_KERNELS_PER_INPUT,
+    InputSide,
+    cone_vertices,
+    gradient_directions,
+)
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance
 from fl_attack.types import ObservedUpdate
@@ -136,10 +141,9 @@ def test_gradient_directions_are_the_true_columns() -> None:
     inverse = update.inputs @ torch.linalg.pinv(factors.right.double())
     columns = torch.linalg.inv(inverse).T
     columns = columns / columns.norm(dim=1, keepdim=True)
-    assert directions.shape == (BATCH, BATCH)
-    assert torch.allclose(
-        (directions * columns).sum(dim=1).abs(), torch.ones(BATCH, dtype=torch.float64), atol=1e-9
-    )
+    assert BATCH <= directions.shape[0] <= MAX_KERNELS_PER_INPUT * BATCH
+    matches = (directions @ columns.T).abs() > 1 - 1e-9
+    assert bool(matches.any(dim=0).all())  # every sample's column is among them
 
 
 def test_inputs_of_both_signs_skip_the_input_side() -> None:

@@ -50,6 +50,9 @@ MIN_EXTRA_ZEROS = 2
 #: (the pool re-checks every proposal's zeros at the attack's own tolerance).
 KERNEL_FLOOR = 1e-6
 
+#: Kernels proposed per input: the patterns around a sample's own have kernels too.
+MAX_KERNELS_PER_INPUT = 8
+
 #: Flops of the Gram matrices built at once while scanning one input's patterns.
 PATTERN_CHUNK_FLOPS = 5e7
 
@@ -247,7 +250,7 @@ def _pattern_kernels(
     One probe per interval between consecutive positive breakpoints (and beyond the last);
     a pattern of at least ``minimum`` rows whose smallest singular value per row is within
     ``10 * tolerance`` (at least ``KERNEL_FLOOR``: the Gram matrix squares float64 digits away)
-    gives its kernel vector.
+    gives ``(residual, kernel vector)``.
     """
     usable = slope != 0
     breakpoints = -bias[usable] / slope[usable]
@@ -316,7 +319,8 @@ def gradient_directions(
     Returns
     -------
     torch.Tensor
-        ``(j, b)`` unit directions, the best kernel of each input whose scan found one.
+        ``(j, b)`` unit directions: for each input, the kernels of up to
+        ``MAX_KERNELS_PER_INPUT`` of its patterns, smallest residual first.
     """
     m, b = left.shape
     _check_directions(directions, side.batch_size)
@@ -327,7 +331,7 @@ def gradient_directions(
         )
     slopes = pre_activation_basis @ (directions / side.scales).T  # (m', k)
     chunk = max(1, min(256, int(PATTERN_CHUNK_FLOPS // max(1, m * b * b))))
-    found = []
+    found: list[torch.Tensor] = []
     for index in range(directions.shape[0]):
         if expired(deadline):
             break
@@ -340,8 +344,12 @@ def gradient_directions(
             chunk=chunk,
             deadline=deadline,
         )
-        if hits:
-            found.append(min(hits, key=lambda item: item[0])[1])
+        # every pattern with a kernel: the sample's own is the largest that has one, but a
+        # smaller one around it can leave a second near-kernel vector (a look-alike sample)
+        # with a smaller residual, and a larger one can pass the tolerance under noise; the
+        # pool's filters and the selection tell them apart
+        hits.sort(key=lambda item: item[0])
+        found.extend(vector for _, vector in hits[:MAX_KERNELS_PER_INPUT])
     if not found:
         return left.new_zeros(0, b)
     return torch.stack(found)
