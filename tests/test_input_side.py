@@ -177,3 +177,20 @@ def test_directions_of_the_wrong_size_are_refused() -> None:
         side.refine(wrong)
     with pytest.raises(ValueError, match="count must be >= 0, got -1"):
         cone_vertices(side, count=-1, generator=torch.Generator())
+
+
+def test_known_columns_leave_only_the_other_sample_feasible() -> None:
+    update = relu_layer_update(pooled_relu_batch(10), width=WIDTH, seed=10)
+    side, truth = true_input_side(update)
+    factors = decompose(update.weight_grad, batch_size=BATCH)
+    inverse = update.inputs @ torch.linalg.pinv(factors.right)  # rows of Q^{-1}
+    columns = torch.linalg.inv(inverse).T  # rows: the columns q_i of Q
+    known = columns[1:].numpy()
+    weights = torch.rand(side.basis.shape[0], generator=torch.Generator().manual_seed(0)).double().numpy()
+    vertex = side.vertex(weights, orthogonal_to=known)
+    assert vertex is not None
+    unit = torch.from_numpy(vertex) / torch.from_numpy(vertex).norm()
+    assert abs(float(unit @ truth[0])) > 1 - 1e-9
+    free = side.vertex(weights)  # without the columns, these weights reach another vertex
+    assert free is not None
+    assert abs(float(torch.from_numpy(free) @ truth[0])) / float(torch.from_numpy(free).norm()) < 0.99
