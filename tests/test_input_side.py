@@ -7,6 +7,7 @@ misses directions, and the update is float32, as a client sends it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -194,3 +195,19 @@ def test_known_columns_leave_only_the_other_sample_feasible() -> None:
     free = side.vertex(weights)  # without the columns, these weights reach another vertex
     assert free is not None
     assert abs(float(torch.from_numpy(free) @ truth[0])) / float(torch.from_numpy(free).norm()) < 0.99
+
+
+def test_emptiness_probe_stops_at_its_time_limit() -> None:
+    torch.set_num_threads(1)
+    features, batch = 3072, 400  # unlimited, HiGHS needs minutes on this programme (measured 169 s)
+    inputs = torch.randn(batch, features, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    basis, _ = torch.linalg.qr(inputs.T)
+    side = InputSide(
+        basis=basis,
+        scales=torch.ones(batch, dtype=torch.float64),
+        tolerance=ZeroTolerance(absolute=1e-6, relative_noise=1e-7),
+        live=torch.ones(features, dtype=torch.bool),
+    )
+    started = time.perf_counter()
+    assert side.is_empty(seconds=0.05)  # not finished in time: counts as empty
+    assert time.perf_counter() - started < 10.0

@@ -62,6 +62,10 @@ MIN_FEATURES_PER_SAMPLE = 2
 #: An input-side round may always spend this long, even after a faster round of the attack.
 MIN_ROUND_SECONDS = 0.2
 
+#: The emptiness probe (one LP) may spend at most this fraction of the remaining search time
+#: (and at least ``MIN_ROUND_SECONDS``); a probe that does not finish counts as empty.
+PROBE_FRACTION = 0.02
+
 #: Input-side rounds stop after this many rounds in a row add no new candidate to the pool.
 STALE_ROUNDS = 3
 
@@ -121,8 +125,13 @@ class InputSide:
     def batch_size(self) -> int:
         return int(self.basis.shape[1])
 
-    def vertex(self, weights: np.ndarray, *, orthogonal_to: np.ndarray | None = None) -> np.ndarray | None:
-        """``u`` minimising ``weights^T V u`` over ``V u >= -tol``, ``1^T V u = 1``; None if none exists.
+    def vertex(
+        self, weights: np.ndarray, *, orthogonal_to: np.ndarray | None = None, seconds: float = math.inf
+    ) -> np.ndarray | None:
+        """``u`` minimising ``weights^T V u`` over ``V u >= -tol``, ``1^T V u = 1``.
+
+        None when no such ``u`` exists or the solver did not finish within ``seconds`` (at
+        ``(n, b) = (3072, 150)`` one programme takes seconds, at ``(3072, 400)`` minutes).
 
         The slack ``tol`` keeps the true inputs feasible when rounding or noise makes their
         zeros slightly negative. ``orthogonal_to`` (``(k, b)`` gradient-side directions ``q``)
@@ -147,15 +156,19 @@ class InputSide:
             b_eq=targets,
             bounds=[(None, None)] * b,
             method="highs",
+            options={"time_limit": max(seconds, 1e-3)} if math.isfinite(seconds) else None,
         )
         if result.status != 0 or result.x is None:
             return None
         vertex: np.ndarray = result.x
         return vertex
 
-    def is_empty(self) -> bool:
-        """Whether no non-negative input lies in the span (inputs of both signs): one LP."""
-        return self.vertex(np.zeros(self.basis.shape[0])) is None
+    def is_empty(self, *, seconds: float = math.inf) -> bool:
+        """Whether no non-negative input lies in the span (inputs of both signs): one LP.
+
+        An LP that does not finish within ``seconds`` counts as empty.
+        """
+        return self.vertex(np.zeros(self.basis.shape[0]), seconds=seconds) is None
 
     def inputs(self, directions: torch.Tensor) -> torch.Tensor:
         """``(k, n')`` unit inputs ``V u`` of ``(k, b)`` directions (any norm)."""
@@ -227,7 +240,7 @@ def cone_vertices(
         if size > 0:
             size = int(torch.randint(0, size + 1, (1,), generator=generator))
             chosen = pool[torch.randperm(pool.shape[0], generator=generator)[:size].numpy()]
-        vertex = side.vertex(weights, orthogonal_to=chosen)
+        vertex = side.vertex(weights, orthogonal_to=chosen, seconds=deadline - time.perf_counter())
         if vertex is not None:
             found.append(torch.from_numpy(vertex).to(side.basis.dtype))
     if not found:
@@ -364,8 +377,9 @@ def interleave_input_side(
     vertices (at least ``MIN_ROUND_SECONDS``). The input side is not used when the live features
     are fewer than ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few
     dimensions meets the non-negative orthant anyway), when the cone is empty (inputs of both
-    signs: one linear programme), or when the first round finds no vertex sparser than a
-    generic one; the rounds stop once ``STALE_ROUNDS`` rounds in a row add nothing to the pool,
+    signs: one linear programme, given ``PROBE_FRACTION`` of the remaining time, at least
+    ``MIN_ROUND_SECONDS`` when some feature is zero for the whole batch; one that does not
+    finish counts as empty), or when the first round finds no vertex sparser than a generic one; the rounds stop once ``STALE_ROUNDS`` rounds in a row add nothing to the pool,
     or at the deadline. ``state.stats`` records ``input_side`` (``"used"`` or why not),
     ``input_side_vertices`` and ``input_side_proposals``.
     """
@@ -384,7 +398,11 @@ def interleave_input_side(
         state.stats["input_side"] = f"fewer than {MIN_FEATURES_PER_SAMPLE} live features per sample"
         yield from proposals
         return
-    if side.is_empty():
+    remaining = max(0.0, state.deadline - time.perf_counter())
+    # features zero for the whole batch (dead channels, unused categories, background pixels)
+    # are the cheap sign of exact zeros: only then may the probe take MIN_ROUND_SECONDS
+    floor = 0.0 if bool(side.live.all()) else MIN_ROUND_SECONDS
+    if side.is_empty(seconds=min(remaining, max(floor, PROBE_FRACTION * remaining))):
         state.stats["input_side"] = "no non-negative inputs in the span"
         yield from proposals
         return
