@@ -374,14 +374,16 @@ def interleave_input_side(
     """The attack's proposal rounds with input-side rounds between them, where they apply.
 
     After each of the attack's rounds, an input-side round spends at most as long on cone
-    vertices (at least ``MIN_ROUND_SECONDS``). The input side is not used when the live features
-    are fewer than ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few
-    dimensions meets the non-negative orthant anyway), when the cone is empty (inputs of both
-    signs: one linear programme, given ``PROBE_FRACTION`` of the remaining time, at least
-    ``MIN_ROUND_SECONDS`` when some feature is zero for the whole batch; one that does not
-    finish counts as empty), or when the first round finds no vertex sparser than a generic one; the rounds stop once ``STALE_ROUNDS`` rounds in a row add nothing to the pool,
-    or at the deadline. ``state.stats`` records ``input_side`` (``"used"`` or why not),
-    ``input_side_vertices`` and ``input_side_proposals``.
+    vertices, and as long again on turning them into gradient-side directions (each at least
+    ``MIN_ROUND_SECONDS``). The input side is not used when the live features are fewer than
+    ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few dimensions meets the
+    non-negative orthant anyway), when the cone is empty (inputs of both signs: one linear
+    programme, given ``PROBE_FRACTION`` of the remaining time, at least ``MIN_ROUND_SECONDS``
+    when some feature is zero for the whole batch; one that does not finish counts as empty),
+    or when the first round finds no vertex sparser than a generic one. The rounds stop once
+    ``STALE_ROUNDS`` rounds in a row add nothing to the pool, or at the deadline.
+    ``state.stats`` records ``input_side`` (``"used"`` or why not), ``input_side_vertices``
+    and ``input_side_proposals``.
     """
     factors = state.factors
     b = factors.batch_size
@@ -430,7 +432,8 @@ def interleave_input_side(
             bias=scorer.update.bias[state.active],
             tolerance=state.pool.tolerance,
             min_zeros=state.pool.weak_min_zeros,
-            deadline=state.deadline,
+            # the scans get as long again as the vertices: on wide layers they cost more
+            deadline=min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds)),
         )
         state.stats["input_side_vertices"] += int(refined.shape[0])
         state.stats["input_side_proposals"] += int(candidates.shape[0])
