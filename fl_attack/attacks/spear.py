@@ -23,6 +23,7 @@ from fl_attack.pipeline.candidates import (
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
+from fl_attack.pipeline.input_side import interleave_input_side
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
@@ -335,11 +336,8 @@ class GradientInversionAttack(ABC):
             total=b, desc=self.name, unit="dir", disable=(not show) if show is not None else None, leave=False
         )
         try:
-            proposals_iter = (
-                iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)])
-                if b == 1
-                else self._proposals(state)
-            )
+            single = iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)])
+            proposals_iter = interleave_input_side(self._proposals(state), state, scorer) if b > 1 else single
             if state.head is not None and b > 1:
                 head = HeadRounds.for_pool(
                     state.pool,

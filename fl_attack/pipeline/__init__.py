@@ -5,7 +5,8 @@
 2. :mod:`~fl_attack.pipeline.search`, :mod:`~fl_attack.pipeline.sparsity`,
    :mod:`~fl_attack.pipeline.candidates`, :mod:`~fl_attack.pipeline.mixtures`,
    :mod:`~fl_attack.pipeline.last_direction`: sparse directions of the output gradient
-   (SPEAR++'s search on the sphere, SPEAR's sampling), polished to exact zeros and pooled.
+   (SPEAR++'s search on the sphere, SPEAR's sampling), polished to exact zeros and pooled;
+   :mod:`~fl_attack.pipeline.input_side` adds directions from sparse non-negative inputs.
 3. :mod:`~fl_attack.pipeline.select`: b directions that explain the update, pruned under noise,
    and the scale that turns them into the layer's inputs.
 """
