@@ -14,10 +14,12 @@ import pytest
 import torch
 
 import fl_attack.attacks.spear as spear_module
+import fl_attack.pipeline.input_side as input_side_module
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.pipeline.decompose import decompose
 from fl_attack.pipeline.input_side import (
     MAX_KERNELS_PER_INPUT,
+    NOT_NEEDED,
     InputSide,
     cone_vertices,
     gradient_directions,
@@ -152,7 +154,8 @@ def test_inputs_of_both_signs_skip_the_input_side() -> None:
     inputs = torch.randn(6, 50, generator=generator, dtype=torch.float64)
     update = relu_layer_update(inputs, width=60, seed=5)
     reconstruction = attack(update, budget=20.0)
-    assert reconstruction.stats["input_side"] == "no non-negative inputs in the span"
+    # set up only when the first round did not finish the attack, and then refused by the probe
+    assert reconstruction.stats["input_side"] in (NOT_NEEDED, "no non-negative inputs in the span")
     assert "input_side_proposals" not in reconstruction.stats
     assert reconstruction.complete
     assert recovered_rows(reconstruction, inputs, tolerance=1e-8) == 6
@@ -211,3 +214,20 @@ def test_emptiness_probe_stops_at_its_time_limit() -> None:
     started = time.perf_counter()
     assert side.is_empty(seconds=0.05)  # not finished in time: counts as empty
     assert time.perf_counter() - started < 10.0
+
+
+def test_an_attack_done_in_its_first_round_never_sets_up_the_input_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # dense inputs of both signs: the gradient side finishes in its first round
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(4, 30, generator=generator, dtype=torch.float64)
+    update = relu_layer_update(inputs, width=60, seed=3)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the input side was set up")
+
+    monkeypatch.setattr(input_side_module.InputSide, "from_factors", refuse)
+    reconstruction = attack(update, budget=20.0)
+    assert reconstruction.complete and reconstruction.stats["rounds"] == 1
+    assert reconstruction.stats["input_side"] == NOT_NEEDED

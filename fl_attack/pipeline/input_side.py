@@ -368,12 +368,17 @@ def gradient_directions(
     return torch.stack(found)
 
 
+#: ``stats["input_side"]`` of an attack that finished in its first round, before any set-up.
+NOT_NEEDED = "not needed: the first round finished"
+
+
 def interleave_input_side(
     proposals: Iterator[torch.Tensor], state: SearchContext, scorer: SparsityMatchingScorer
 ) -> Iterator[torch.Tensor]:
     """The attack's proposal rounds with input-side rounds between them, where they apply.
 
-    After each of the attack's rounds, an input-side round spends at most as long on cone
+    Nothing is set up before the attack's first round has been consumed (``input_side`` reads
+    :data:`NOT_NEEDED` when the attack stops there). After each of the attack's rounds, an input-side round spends at most as long on cone
     vertices, and as long again on turning them into gradient-side directions (each at least
     ``MIN_ROUND_SECONDS``). The input side is not used when the live features are fewer than
     ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few dimensions meets the
@@ -385,11 +390,60 @@ def interleave_input_side(
     ``state.stats`` records ``input_side`` (``"used"`` or why not), ``input_side_vertices``
     and ``input_side_proposals``.
     """
+    rounds = _timed(proposals)
+    first = next(rounds, None)
+    if first is None:
+        return
+    # an attack done after its first round (dense inputs usually are) never pays for the set-up
+    state.stats["input_side"] = NOT_NEEDED
+    yield first[1]
+    side = _usable_input_side(state, scorer)
+    if side is None:
+        yield from (directions for _, directions in rounds)
+        return
+    state.stats.update(input_side="used", input_side_vertices=0, input_side_proposals=0)
+    factors, b = state.factors, state.factors.batch_size
+    seconds, stale = first[0], 0
+    while True:
+        if stale < STALE_ROUNDS and not expired(state.deadline):
+            before = len(state.pool)
+            until = min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds))
+            vertices = cone_vertices(
+                side, count=2 * b, generator=state.generator, known=state.pool.directions, deadline=until
+            )
+            refined, _ = side.refine(vertices)
+            if state.stats["input_side_vertices"] == 0 and refined.shape[0] == 0:
+                state.stats["input_side"] = "no sparse non-negative vertex"
+                stale = STALE_ROUNDS
+            else:
+                candidates = gradient_directions(
+                    side,
+                    refined,
+                    left=factors.left,
+                    pre_activation_basis=scorer.pre_activation_basis[state.active],
+                    bias=scorer.update.bias[state.active],
+                    tolerance=state.pool.tolerance,
+                    min_zeros=state.pool.weak_min_zeros,
+                    # the scans get as long again as the vertices: on wide layers they cost more
+                    deadline=min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds)),
+                )
+                state.stats["input_side_vertices"] += int(refined.shape[0])
+                state.stats["input_side_proposals"] += int(candidates.shape[0])
+                yield candidates
+                stale = stale + 1 if len(state.pool) == before else 0
+        following = next(rounds, None)
+        if following is None:
+            return
+        seconds, directions = following
+        yield directions
+
+
+def _usable_input_side(state: SearchContext, scorer: SparsityMatchingScorer) -> InputSide | None:
+    """The input side of the attack's factors, or None (``state.stats`` says why) where it does not apply."""
     factors = state.factors
     b = factors.batch_size
-    if b < 2:
-        yield from proposals
-        return
+    if b < 2 or expired(state.deadline):
+        return None
     gradient_zero = state.pool.tolerance
     side = InputSide.from_factors(
         factors,
@@ -398,47 +452,15 @@ def interleave_input_side(
     )
     if side.basis.shape[0] < MIN_FEATURES_PER_SAMPLE * b:
         state.stats["input_side"] = f"fewer than {MIN_FEATURES_PER_SAMPLE} live features per sample"
-        yield from proposals
-        return
+        return None
     remaining = max(0.0, state.deadline - time.perf_counter())
     # features zero for the whole batch (dead channels, unused categories, background pixels)
     # are the cheap sign of exact zeros: only then may the probe take MIN_ROUND_SECONDS
     floor = 0.0 if bool(side.live.all()) else MIN_ROUND_SECONDS
     if side.is_empty(seconds=min(remaining, max(floor, PROBE_FRACTION * remaining))):
         state.stats["input_side"] = "no non-negative inputs in the span"
-        yield from proposals
-        return
-    state.stats.update(input_side="used", input_side_vertices=0, input_side_proposals=0)
-    stale = 0
-    for seconds, directions in _timed(proposals):
-        yield directions
-        if stale >= STALE_ROUNDS or expired(state.deadline):
-            continue
-        before = len(state.pool)
-        until = min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds))
-        vertices = cone_vertices(
-            side, count=2 * b, generator=state.generator, known=state.pool.directions, deadline=until
-        )
-        refined, _ = side.refine(vertices)
-        if state.stats["input_side_vertices"] == 0 and refined.shape[0] == 0:
-            state.stats["input_side"] = "no sparse non-negative vertex"
-            stale = STALE_ROUNDS
-            continue
-        candidates = gradient_directions(
-            side,
-            refined,
-            left=factors.left,
-            pre_activation_basis=scorer.pre_activation_basis[state.active],
-            bias=scorer.update.bias[state.active],
-            tolerance=state.pool.tolerance,
-            min_zeros=state.pool.weak_min_zeros,
-            # the scans get as long again as the vertices: on wide layers they cost more
-            deadline=min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds)),
-        )
-        state.stats["input_side_vertices"] += int(refined.shape[0])
-        state.stats["input_side_proposals"] += int(candidates.shape[0])
-        yield candidates
-        stale = stale + 1 if len(state.pool) == before else 0
+        return None
+    return side
 
 
 def _timed(proposals: Iterator[torch.Tensor]) -> Iterator[tuple[float, torch.Tensor]]:
