@@ -437,3 +437,27 @@ def test_scan_missing_directions_needs_at_most_two_missing() -> None:
         min_zeros=4,
     )
     assert proposals.shape == (0, 4)
+
+
+def test_select_also_starts_from_an_incumbent_among_the_candidates() -> None:
+    # a pool whose sparsest set is wrong (mixtures ranked sparsest), without any swaps: only the
+    # start decides; an earlier selection that is still in the pool must win over that start
+    truth = _truth("photo-patches", 10, 200, 0)
+    b = truth.batch
+    gen = torch.Generator().manual_seed(1)
+    mixtures = torch.randn(2 * b, b, generator=gen, dtype=torch.float64) @ truth.directions
+    mixtures = mixtures / mixtures.norm(dim=1, keepdim=True)
+    candidates = torch.cat([mixtures, truth.directions])
+    zero_counts = torch.cat([torch.full((2 * b,), 10**6), torch.zeros(b, dtype=torch.long)])
+    scorer = truth.scorer()
+
+    cold = select(scorer, candidates, zero_counts, max_swap_rounds=0)
+    warm = select(scorer, candidates, zero_counts, max_swap_rounds=0, incumbent=-truth.directions.flip(0))
+    elsewhere = torch.randn(b, b, generator=gen, dtype=torch.float64)
+    ignored = select(scorer, candidates, zero_counts, max_swap_rounds=0, incumbent=elsewhere)
+
+    assert cold.sparsity_matching < 1.0
+    assert warm.sparsity_matching == 1.0
+    chosen = warm.directions / warm.directions.norm(dim=1, keepdim=True)
+    assert bool(((chosen @ truth.directions.T).abs().max(dim=1).values > COS_EXACT).all())
+    assert torch.equal(ignored.directions, cold.directions)

@@ -75,6 +75,7 @@ class SearchState:
     noisy: bool
     finish_by: float = math.inf
     head: HeadPrior | None = None
+    incumbent: torch.Tensor | None = None  # the best complete selection's directions so far
 
 
 class GradientInversionAttack(ABC):
@@ -360,6 +361,7 @@ class GradientInversionAttack(ABC):
                         break
                     continue
                 if len(state.pool) >= 1:
+                    state.incumbent = best.directions if best is not None and best.complete else None
                     candidate = self._select_and_split(state, scorer)
                     if best is None or self._accepted(candidate) or _better(candidate, best):
                         improved = best is None or candidate.sparsity_matching > best.sparsity_matching + 1e-3
@@ -394,8 +396,7 @@ class GradientInversionAttack(ABC):
 
     @staticmethod
     def _finishing_seconds(update: ObservedUpdate, b: int, budget: float) -> float:
-        """Time kept back from the search for the final selection and the self-check: their
-        estimated cost, at most :data:`FINISH_FRACTION` of the budget."""
+        """Seconds kept for the final selection and self-check: at most ``FINISH_FRACTION`` of the budget."""
         m, n = update.width, update.input_dim
         estimate = 4 * score_seconds(m, b) + matmul_seconds(6.0 * b * b * (m + n)) + eigh_seconds(b)
         return min(FINISH_FRACTION * budget, estimate)
@@ -403,9 +404,8 @@ class GradientInversionAttack(ABC):
     def _settled(self, state: SearchState, best: Selection, stale: int) -> bool:
         """Whether more rounds are unlikely to help a complete selection.
 
-        On noisy gradients the matching cannot reach 1. On clean FedAvg updates the ReLU
-        pattern drifts over the local steps, so exact directions match slightly below 1
-        everywhere; a selection with a clearly wrong column keeps searching.
+        On noisy gradients the matching cannot reach 1. On clean FedAvg updates the ReLU pattern
+        drifts over the steps, so exact directions match just below 1; a clearly wrong column keeps searching.
         """
         if not best.complete:
             return False
@@ -462,8 +462,10 @@ class GradientInversionAttack(ABC):
             directions = torch.cat([directions, weak], dim=0)
             counts = torch.cat([counts, weak_counts - state.factors.left.shape[0]], dim=0)
         # clean gradients: a direction matching at the acceptance level is not swapped out
-        good_enough = 1.0 if state.noisy else self.accept_matching
-        return select(scorer, directions, counts, deadline=state.deadline, good_enough=good_enough)
+        good_enough, start = (1.0 if state.noisy else self.accept_matching), state.incumbent
+        return select(
+            scorer, directions, counts, deadline=state.deadline, good_enough=good_enough, incumbent=start
+        )
 
     def _last_direction_proposals(
         self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection

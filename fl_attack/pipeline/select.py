@@ -1,7 +1,8 @@
 """Choosing b directions from a candidate pool and turning them into inputs.
 
 Shared by SPEAR and SPEAR++: the sparsest independent set first (Spielman et al.), then
-greedy swaps that raise the sparsity-matching coefficient (SPEAR Sec. 4.2), scale from the
+greedy swaps that raise the sparsity-matching coefficient (SPEAR Sec. 4.2; also from the
+best earlier selection), scale from the
 bias gradient (SPEAR Thm. 3.5), and an orthonormal completion when fewer than b
 independent directions exist (SPEAR++ Sec. 4.5).
 """
@@ -189,6 +190,7 @@ def select(
     max_swap_rounds: int = 50,
     deadline: float = math.inf,
     good_enough: float = 1.0,
+    incumbent: torch.Tensor | None = None,
 ) -> Selection:
     """Two-stage greedy selection of b directions from ``candidates`` (rows).
 
@@ -209,6 +211,11 @@ def select(
         Per-sample matching at which a chosen direction is not swapped any more; swaps stop
         when every direction reaches it. On large layers a swap round costs seconds, so
         directions that already match (e.g. >= 0.99) must not be traded for marginal gains.
+    incumbent
+        ``(b, b)`` directions of an earlier selection: when all of them are among
+        ``candidates``, the swaps also start from them and the better end point is returned.
+        A larger pool can make the sparsest set start far from an earlier, better selection
+        (sparse mixtures outnumber the samples), and greedy swaps may not find the way back.
     """
     b = scorer.factors.batch_size
     chosen = sparsest_independent(candidates, zero_counts, b) if candidates.shape[0] else []
@@ -224,6 +231,45 @@ def select(
             directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
         )
 
+    starts = [chosen]
+    warm = _rows_of(incumbent, candidates) if incumbent is not None and incumbent.shape[0] == b else None
+    if warm is not None and sorted(warm) != sorted(chosen):
+        starts.append(warm)
+    ends = [
+        _swapped(scorer, candidates, zero_counts, start, max_swap_rounds, deadline, good_enough)
+        for start in starts
+    ]
+    directions, per_sample = max(ends, key=lambda end: float(end[1].sum()))
+    _, q_inv = scorer.score(directions)
+    found_mask = torch.ones(b, dtype=torch.bool, device=candidates.device)
+    return Selection(
+        directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
+    )
+
+
+def _rows_of(directions: torch.Tensor, candidates: torch.Tensor) -> list[int] | None:
+    """The candidate row of each direction (parallel to it), or None when one has none."""
+    unit = directions / directions.norm(dim=1, keepdim=True)
+    pool = candidates / candidates.norm(dim=1, keepdim=True)
+    cos = (unit @ pool.T).abs()
+    best = cos.max(dim=1)
+    if bool((best.values < 1 - TWIN_COS_TOLERANCE).any()):
+        return None
+    rows = best.indices.tolist()
+    return rows if len(set(rows)) == len(rows) else None
+
+
+def _swapped(
+    scorer: SparsityMatchingScorer,
+    candidates: torch.Tensor,
+    zero_counts: torch.Tensor,
+    chosen: list[int],
+    max_swap_rounds: int,
+    deadline: float,
+    good_enough: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy swaps from the ``chosen`` rows: the directions reached and their per-sample matching."""
+    chosen = list(chosen)
     directions = candidates[chosen].clone()
     per_sample, _ = scorer.score(directions)
     chosen_set = set(chosen)
@@ -236,17 +282,12 @@ def select(
         improved = _best_swap(scorer, directions, per_sample, candidates, unused, deadline, good_enough)
         if improved is None:
             break
-        position, pool_index, new_scores = improved
+        position, pool_index, per_sample = improved
         replaced = chosen[position]
         chosen[position] = unused[pool_index]
         unused[pool_index] = replaced
         directions[position] = candidates[chosen[position]]
-        per_sample = new_scores
-    _, q_inv = scorer.score(directions)
-    found_mask = torch.ones(b, dtype=torch.bool, device=candidates.device)
-    return Selection(
-        directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
-    )
+    return directions, per_sample
 
 
 def _best_swap(
