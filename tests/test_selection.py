@@ -19,7 +19,9 @@ from fl_attack.pipeline.candidates import duplicate_cos_tolerance
 from fl_attack.pipeline.decompose import LowRankFactors, decompose
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
+from fl_attack.pipeline.polish import polish
 from fl_attack.pipeline.select import (
+    Selection,
     SparsityMatchingScorer,
     orthonormal_completion,
     select,
@@ -461,3 +463,27 @@ def test_select_also_starts_from_an_incumbent_among_the_candidates() -> None:
     chosen = warm.directions / warm.directions.norm(dim=1, keepdim=True)
     assert bool(((chosen @ truth.directions.T).abs().max(dim=1).values > COS_EXACT).all())
     assert torch.equal(ignored.directions, cold.directions)
+
+
+def test_polish_refits_each_direction_on_its_samples_inactive_neurons() -> None:
+    truth = _truth("photo-patches", 10, 200, 0)
+    b = truth.batch
+    scorer = truth.scorer()
+    gen = torch.Generator().manual_seed(2)
+    # each true direction moved by ~1e-5 (as rounding noise of an update leaves them)
+    blurred = truth.directions + 1e-5 * torch.randn(b, b, generator=gen, dtype=torch.float64)
+    per_sample, q_inv = scorer.score(blurred)
+    rough = Selection(blurred, torch.ones(b, dtype=torch.bool), q_inv @ truth.factors.right, per_sample, 1.0)
+
+    polished = polish(scorer, rough)
+
+    def worst_error(selection: Selection) -> float:
+        order = torch.cdist(truth.inputs, selection.inputs).argmin(dim=1)
+        return float(((selection.inputs[order] - truth.inputs).norm(dim=1) / truth.inputs.norm(dim=1)).max())
+
+    assert worst_error(rough) > 1e-5
+    assert worst_error(polished) < 1e-3 * worst_error(rough)
+    assert bool((polished.per_sample >= rough.per_sample).all())
+    # an incomplete selection is returned as it is
+    partial = Selection(blurred, torch.arange(b) < b - 1, rough.inputs, per_sample, 1.0)
+    assert polish(scorer, partial) is partial

@@ -26,6 +26,7 @@ from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_
 from fl_attack.pipeline.input_side import interleave_input_side
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
+from fl_attack.pipeline.polish import polish
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
 from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
@@ -57,8 +58,7 @@ FINISH_FRACTION = 0.05
 #: 0.5-1x); every batch above 25 dB matched >= 0.78.
 NOISY_COMPLETE_MATCHING = 0.75
 
-#: On a clean gradient, a complete selection whose every sample matches at least this well
-#: is kept once restarts stop improving it (FedAvg drift keeps exact samples just below 1).
+#: A complete clean selection matching at least this well everywhere is kept once restarts stop improving it.
 SETTLED_MATCHING = 0.9
 
 
@@ -392,7 +392,7 @@ class GradientInversionAttack(ABC):
             # pruning is worth a little time past the deadline: a wrong row spoils every sample
             best = prune_doubtful(scorer, best, deadline=state.finish_by)
             state.stats["pruned"] = found - int(best.found.sum())
-        return best
+        return best if state.noisy else polish(scorer, best)
 
     @staticmethod
     def _finishing_seconds(update: ObservedUpdate, b: int, budget: float) -> float:
