@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import fl_attack.attacks.spear as spear_module
 from clients.ground_truth import layer_inputs
@@ -40,19 +39,10 @@ WRONG_ABOVE = 1e-3
 def client_update(data: ImageData, *, batch_size: int, seed: int, lr: float) -> dict[str, Any]:
     """fc1's update and the features that entered it, as in the example's frontier measurement."""
     sys.path.insert(0, str(EXAMPLE))
-    from cnn_example.task import Net
+    from measure_frontier import client_step
 
-    torch.manual_seed(seed)
-    net = Net()
-    received = Net()
-    received.load_state_dict(net.state_dict())
-    chosen = torch.randperm(len(data), generator=torch.Generator().manual_seed(10_000 + seed))[:batch_size]
-    images, labels = data.images[chosen], data.labels[chosen]
+    received, net, images, _ = client_step(data, batch_size=batch_size, seed=seed, lr=lr)
     truth = layer_inputs(received, images).double().numpy()
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-    loss: torch.Tensor = F.cross_entropy(net(images), labels)
-    loss.backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
     weight, bias = received.fc1.weight.detach().double(), received.fc1.bias.detach().double()
     return {
         "weight_grad": net.fc1.weight.detach().double() - weight,

@@ -116,6 +116,24 @@ def prefix_update(net: Net, received: Net, *, lr: float) -> list[torch.Tensor]:
     return [-(new.detach() - old.detach()) / lr for new, old in pairs]
 
 
+def client_step(
+    data: ImageData, *, batch_size: int, seed: int, lr: float
+) -> tuple[Net, Net, torch.Tensor, torch.Tensor]:
+    """One client's FedSGD step: the global CNN the server sent, the client's after one SGD step
+    on a seeded batch, and that batch's images and labels (float32, as the server sees them)."""
+    torch.manual_seed(seed)
+    net = Net()
+    received = Net()
+    received.load_state_dict(net.state_dict())  # the global weights the server sent
+    chosen = torch.randperm(len(data), generator=torch.Generator().manual_seed(10_000 + seed))[:batch_size]
+    images, labels = data.images[chosen], data.labels[chosen]
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    loss: torch.Tensor = F.cross_entropy(net(images), labels)
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    return received, net, images, labels
+
+
 def trial(
     data: ImageData, *, batch_size: int, seed: int, lr: float, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -124,17 +142,8 @@ def trial(
     With ``args.oracle`` the attack is skipped and the true features stand in for its output
     (an upper bound on what the image fit can do from exact features).
     """
-    torch.manual_seed(seed)
-    net = Net()
-    received = Net()
-    received.load_state_dict(net.state_dict())  # the global weights the server sent
-    chosen = torch.randperm(len(data), generator=torch.Generator().manual_seed(10_000 + seed))[:batch_size]
-    images, labels = data.images[chosen], data.labels[chosen]
+    received, net, images, labels = client_step(data, batch_size=batch_size, seed=seed, lr=lr)
     truth = layer_inputs(received, images).double().numpy()
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-    loss: torch.Tensor = F.cross_entropy(net(images), labels)
-    loss.backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
     weight, bias = received.fc1.weight.detach().double(), received.fc1.bias.detach().double()
     weight_update = net.fc1.weight.detach().double() - weight
     row: dict[str, Any] = {"batch_size": batch_size, "seed": seed, "oracle": bool(args.oracle)}
