@@ -133,6 +133,9 @@ def test_spear_plus_plus_recovers_real_images_exactly(name: str, batch: int, wid
     # the reconstruction is the client's batch itself, not just close to it
     order = evaluate_reconstruction(rec.inputs, case.flat).order
     assert torch.allclose(rec.inputs[order], case.flat.double(), atol=1e-3, rtol=0)
+    # the ground-truth-free precision of each row is reported, and bounds the float32 rounding
+    assert len(rec.stats["estimated_relative_errors"]) == batch
+    assert 1e-9 < rec.summary()["estimated_max_relative_error"] < 1e-5
 
 
 def test_spear_plus_plus_single_sample_is_complete() -> None:

@@ -160,6 +160,8 @@ def test_moderate_gaussian_noise_gives_approximate_reconstructions() -> None:
     assert wall < budget + 5.0 and rec.seconds <= wall
     assert rec.batch_size == 8
     assert rec.stats["noisy"] is True, rec.summary()
+    # s_{b+1} is the edge of the noise bulk there, not a row's precision: none is claimed
+    assert "estimated_max_relative_error" not in rec.stats
     assert rec.stats["relative_noise"] > 1e-3
     assert rec.sparsity_matching < 1.0  # no exact zeros survive the noise
     quality = _quality(rec, data, images)

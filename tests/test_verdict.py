@@ -110,6 +110,16 @@ def test_decision_table() -> None:
         input_space="features",
     )
     assert exact.verdict == "exact" and "features" in exact.reason
+    assert "precise" not in exact.reason  # no estimate, no claim
+    with_precision = decide_verdict(
+        status="ok",
+        error=None,
+        attack={**clean, "estimated_max_relative_error": 3.2e-6},
+        signature=never,
+        magnitude_concentration=0.02,
+        input_space="inputs",
+    )
+    assert with_precision.verdict == "exact" and "rows precise to ~3e-06 (estimated)" in with_precision.reason
 
     blended = decide_verdict(
         status="ok",

@@ -27,6 +27,7 @@ from fl_attack.pipeline.input_side import interleave_input_side
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.polish import polish
+from fl_attack.pipeline.precision import precision_stats
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
 from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
@@ -299,21 +300,18 @@ class GradientInversionAttack(ABC):
             pre_activation_basis=scorer.pre_activation_basis,
         )
         stats.update(check.stats())
+        if not noisy and selection.complete:
+            stats.update(precision_stats(scorer, selection))
         # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
         # barely above chance (noisy), are not a reconstruction: never report them complete
         claimed = selection.complete and (
             selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
         elapsed = time.perf_counter() - start
+        found, verdict = stats["directions_found"], "passed" if check.passed else "failed"
         logger.info(
             "%s: b=%d found=%d/%d lambda=%.4f self-check %s in %.2fs",
-            self.name,
-            b,
-            stats["directions_found"],
-            b,
-            selection.sparsity_matching,
-            "passed" if check.passed else "failed",
-            elapsed,
+            *(self.name, b, found, b, selection.sparsity_matching, verdict, elapsed),
         )
         return Reconstruction(
             inputs=selection.inputs.detach().cpu(),

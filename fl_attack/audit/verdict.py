@@ -180,9 +180,13 @@ def decide_verdict(
             )
         if complete and not noisy and not adaptive:
             matching = float(attack.get("sparsity_matching", 0.0))
+            precision = attack.get("estimated_max_relative_error")
+            precise = (
+                f", rows precise to ~{float(precision):.0e} (estimated)" if precision is not None else ""
+            )
             return Verdict(
                 VERDICT_EXACT,
-                f"all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f})"
+                f"all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f}{precise})"
                 + _features_note(input_space),
             )
         reason = _not_applicable(signature, train_mode, num_examples) if (noisy or found < b) else None
