@@ -70,6 +70,7 @@ def build_auditor(
         time_budget=float(config["attack-time-budget"]),
         timeout=attack_timeout(config),
         isolation=str(config["attack-isolation"]),
+        priority=str(config["attack-priority"]),
         seed=int(config["attack-seed"]),
         secagg_group_size=int(config["secagg-group-size"]),
         secagg_quantization=FLOWER_DEFAULTS if config["secagg-quantization"] else None,

@@ -147,6 +147,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attack-time-budget", 30.0, "seconds each attack may spend", "audit", positive=True),
     Setting("attack-timeout", 0.0, "hard limit per attack (0: 1.5 x budget + 15 s)", "audit", minimum=0),
     Setting("attack-isolation", "process", "process or thread", "audit", choices=("process", "thread")),
+    Setting(
+        "attack-priority",
+        "idle",
+        "local worker processes' CPU priority: idle (only CPU the federation leaves) or low (nice 19)",
+        "audit",
+        choices=("idle", "low"),
+    ),
     Setting("attack-weight-key", "", "attacked layer's weight (default: first linear layer)", "audit"),
     Setting("attack-bias-key", "", "attacked layer's bias (default: derived from the weight key)", "audit"),
     Setting("attack-batch-size", 0, "batch size told to the attacker (0: estimated)", "audit", minimum=0),

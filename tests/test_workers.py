@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from fl_attack import Reconstruction
@@ -64,3 +66,55 @@ def test_process_isolation_kills_timeouts_and_recovers() -> None:
     finally:
         runner.close()
     assert runner._process is None  # pylint: disable=protected-access
+
+
+class SchedulingAttacker:
+    """Reports the worker's scheduling policy and nice value as its 'inputs'."""
+
+    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
+        policy = os.sched_getscheduler(0)
+        inputs = torch.tensor(
+            [[float(policy), float(os.getpriority(os.PRIO_PROCESS, 0))]], dtype=torch.float64
+        )
+        return Reconstruction(
+            inputs=inputs,
+            batch_size=1,
+            sparsity_matching=1.0,
+            complete=True,
+            confidence=torch.ones(1, dtype=torch.float64),
+            seconds=0.0,
+        )
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+@pytest.mark.parametrize(
+    ("priority", "policy", "nice"), [("idle", "SCHED_IDLE", None), ("low", "SCHED_OTHER", 19)]
+)
+def test_worker_process_runs_at_the_chosen_cpu_priority(priority: str, policy: str, nice: int | None) -> None:
+    from fl_attack.audit.layer import LayerDelta
+    from fl_attack.audit.workers import ProcessAttackRunner
+
+    update = LayerDelta(
+        weight_delta=np.ones((4, 3)), bias_delta=np.ones(4), weight=np.ones((4, 3)), bias=np.ones(4)
+    )
+    runner = ProcessAttackRunner(SchedulingAttacker(), priority=priority)
+    try:
+        result = runner.run(update, timeout=120.0)
+    finally:
+        runner.close()
+    assert result.status == "ok", result.error
+    seen_policy, seen_nice = result.reconstruction.inputs[0].tolist()
+    assert int(seen_policy) == getattr(os, policy)
+    if nice is not None:
+        assert int(seen_nice) == nice
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the server process itself is untouched
+
+
+def test_unknown_worker_priority_is_refused_naming_the_choices() -> None:
+    from fl_attack.audit import Auditor
+    from fl_attack.audit.workers import ProcessAttackRunner
+
+    with pytest.raises(ValueError, match="priority must be one of idle, low, got 'high'"):
+        ProcessAttackRunner(SchedulingAttacker(), priority="high")
+    with pytest.raises(ValueError, match="priority must be one of idle, low, got 'realtime'"):
+        Auditor(SchedulingAttacker(), priority="realtime")

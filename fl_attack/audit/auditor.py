@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -21,6 +20,7 @@ import numpy as np
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
 from fl_attack.simulate.secagg import SecAggPlusQuantization
+from fl_attack.validation import check_batch_size, check_time_budget
 from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
 
 from .fallback import build_fallback
@@ -42,7 +42,7 @@ from .units import (
     unit_name,
 )
 from .verdict import Verdict, decide_verdict
-from .workers import Attacker, AttackResult, AttackRunner, make_runner
+from .workers import WORKER_PRIORITIES, Attacker, AttackResult, AttackRunner, make_runner
 
 if TYPE_CHECKING:
     from fl_attack.evaluation.scoring import ReconstructionScorer, Scored
@@ -77,6 +77,9 @@ class Auditor:
         Hard limit per attack, after which it is stopped and recorded as a timeout.
     isolation : str (default: "thread")
         ``"thread"`` or ``"process"`` (a worker process killed on timeout).
+    priority : str (default: "idle")
+        CPU priority of local worker processes: ``"idle"`` (only CPU time the federation
+        leaves) or ``"low"`` (nice 19); see :data:`fl_attack.audit.workers.WORKER_PRIORITIES`.
     seed : int (default: 0)
         Seeds the draw of attacked updates when ``attack_fraction < 1``.
     secagg_group_size : int (default: 1)
@@ -121,6 +124,7 @@ class Auditor:
         time_budget: float | None = None,
         timeout: float | None = None,
         isolation: str = "thread",
+        priority: str = "idle",
         seed: int = 0,
         secagg_group_size: int = 1,
         secagg_quantization: SecAggPlusQuantization | None = None,
@@ -142,18 +146,11 @@ class Auditor:
             or secagg_group_size < 1
         ):
             raise ValueError(f"secagg_group_size must be a positive integer, got {secagg_group_size!r}")
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-        for name, value in (("time_budget", time_budget), ("timeout", timeout)):
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(f"{name} must be a positive finite number of seconds or None, got {value!r}")
+        check_batch_size(batch_size)
+        check_time_budget(time_budget)
+        check_time_budget(timeout, name="timeout")
+        if priority not in WORKER_PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
         if backend not in ("local", "ray"):
             raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -163,7 +160,7 @@ class Auditor:
             return_large_allocations()
         self.attacker = attacker
         self.fallback = build_fallback(fallback, seed=seed, time_budget=time_budget)
-        self.isolation = isolation
+        self.isolation, self.priority = isolation, priority
         self.backend = backend
         self.ray_address = ray_address
         self.attack_cpus = attack_cpus
@@ -272,7 +269,7 @@ class Auditor:
             return RayAttackRunner(
                 self.attacker, address=self.ray_address, num_cpus=self.attack_cpus, num_gpus=self.attack_gpus
             )
-        return make_runner(self.attacker, self.isolation)
+        return make_runner(self.attacker, self.isolation, priority=self.priority)
 
     def _pool_runner(self) -> AttackRunner:
         runner = getattr(self._thread_runner, "value", None)

@@ -79,9 +79,20 @@ class UpdateSignature:
         }
 
 
+#: :func:`magnitude_concentration` reads at most this many entries, evenly strided: a share
+#: estimated from 65536 entries is within +-0.004 (one standard error at 0.5) of the whole
+#: layer's, far finer than the gap between gradients (a few %) and Adam steps (> 50%).
+CONCENTRATION_SAMPLE = 1 << 16
+
+
 def magnitude_concentration(values: np.ndarray) -> float:
-    """Share of the non-zero entries of ``values`` whose magnitude is within 5% of the median one."""
-    magnitudes = np.abs(np.asarray(values, dtype=np.float64))
+    """Share of the non-zero entries of ``values`` whose magnitude is within 5% of the median one.
+
+    Large arrays are read at an even stride of at most :data:`CONCENTRATION_SAMPLE` entries
+    (this runs in the server for every finished attack).
+    """
+    flat = np.asarray(values).reshape(-1)
+    magnitudes = np.abs(flat[:: max(1, flat.size // CONCENTRATION_SAMPLE)].astype(np.float64))
     magnitudes = magnitudes[magnitudes != 0]
     if magnitudes.size == 0:
         return 0.0

@@ -267,17 +267,31 @@ class ThreadAttackRunner(AttackRunner):
         )
 
 
-def _yield_the_cores() -> None:
-    """Give this worker process the lowest CPU priority (nice 19), so that training and
-    aggregation go first; its attack still progresses while they run (``SCHED_IDLE`` would
-    starve it and turn busy rounds into timeouts). Ray's client actors run at nice 15."""
+#: CPU priorities of a local worker process (``attack-priority``).
+WORKER_PRIORITIES = ("idle", "low")
+
+
+def _yield_the_cores(priority: str) -> None:
+    """Lower this worker process's CPU priority below the federation's.
+
+    ``"idle"``: Linux ``SCHED_IDLE``, the worker takes only CPU time that nothing else wants
+    (a weight of 3 against 36 for Ray's client actors, which run at nice 15), so rounds run at
+    nearly their own speed; an attack started while every core trains may then use up its
+    budget. ``"low"``: nice 19 (weight 15), so the attack also progresses during busy rounds,
+    and takes about 15 / (15 + 36) of a core that a client wants. Where ``SCHED_IDLE`` is not
+    available, ``"idle"`` falls back to nice 19.
+    """
+    if priority == "idle":
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined,unused-ignore]
+            return
     with contextlib.suppress(AttributeError, OSError):  # best effort: some systems refuse it
         os.nice(19)
 
 
-def _worker_main(connection: Connection, attacker: Attacker) -> None:
+def _worker_main(connection: Connection, attacker: Attacker, priority: str = "idle") -> None:
     """Worker loop: receive ``(update, batch_size, time_budget)``, send pickled results."""
-    _yield_the_cores()
+    _yield_the_cores(priority)
     connection.send(("ready", None, None))
     while True:
         try:
@@ -309,10 +323,15 @@ class ProcessAttackRunner(AttackRunner):
         A picklable attacker (e.g. ``fl_attack.SpearPlusPlus``).
     start_method : str (default: "spawn")
         ``multiprocessing`` start method; ``spawn`` is safe with threads and CUDA.
+    priority : str (default: "idle")
+        The worker's CPU priority, ``"idle"`` or ``"low"`` (see :data:`WORKER_PRIORITIES`).
     """
 
-    def __init__(self, attacker: Attacker, *, start_method: str = "spawn") -> None:
+    def __init__(self, attacker: Attacker, *, start_method: str = "spawn", priority: str = "idle") -> None:
+        if priority not in WORKER_PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
         super().__init__(attacker)
+        self.priority = priority
         self._context: Any = multiprocessing.get_context(start_method)
         self._process: Any = None
         self._connection: Connection | None = None
@@ -321,7 +340,10 @@ class ProcessAttackRunner(AttackRunner):
         """Start the worker; return why it failed, or None."""
         parent, child = self._context.Pipe()
         process = self._context.Process(
-            target=_worker_main, args=(child, self.attacker), name="fl-attack-worker", daemon=True
+            target=_worker_main,
+            args=(child, self.attacker, self.priority),
+            name="fl-attack-worker",
+            daemon=True,
         )
         process.start()
         child.close()
@@ -413,10 +435,10 @@ class ProcessAttackRunner(AttackRunner):
         self._stop(kill=False)
 
 
-def make_runner(attacker: Attacker, isolation: str) -> AttackRunner:
-    """A runner for ``isolation`` ``"thread"`` or ``"process"``."""
+def make_runner(attacker: Attacker, isolation: str, *, priority: str = "idle") -> AttackRunner:
+    """A runner for ``isolation`` ``"thread"`` or ``"process"`` (a worker at ``priority``)."""
     if isolation == "thread":
         return ThreadAttackRunner(attacker)
     if isolation == "process":
-        return ProcessAttackRunner(attacker)
+        return ProcessAttackRunner(attacker, priority=priority)
     raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
