@@ -14,6 +14,19 @@ from fl_attack import Reconstruction
 from tests.test_audit_strategy import INPUT_DIM, WIDTH
 
 
+def _complete(inputs: torch.Tensor) -> Reconstruction:
+    """A complete reconstruction of ``inputs`` (one row per sample)."""
+    rows = inputs.shape[0]
+    return Reconstruction(
+        inputs=inputs,
+        batch_size=rows,
+        sparsity_matching=1.0,
+        complete=True,
+        confidence=torch.ones(rows, dtype=torch.float64),
+        seconds=0.0,
+    )
+
+
 class PicklableAttacker:
     """Module-level (so picklable) attacker for the worker process: behaviour by batch size."""
 
@@ -24,15 +37,7 @@ class PicklableAttacker:
             raise ValueError("cannot invert")
         if kwargs["batch_size"] == 3:
             raise MemoryError("host memory exhausted")
-        inputs = torch.as_tensor(weight_grad[:2], dtype=torch.float64)
-        return Reconstruction(
-            inputs=inputs,
-            batch_size=2,
-            sparsity_matching=1.0,
-            complete=True,
-            confidence=torch.ones(2, dtype=torch.float64),
-            seconds=0.0,
-        )
+        return _complete(torch.as_tensor(weight_grad[:2], dtype=torch.float64))
 
 
 def test_process_isolation_kills_timeouts_and_recovers() -> None:
@@ -76,14 +81,7 @@ class SchedulingAttacker:
         inputs = torch.tensor(
             [[float(policy), float(os.getpriority(os.PRIO_PROCESS, 0))]], dtype=torch.float64
         )
-        return Reconstruction(
-            inputs=inputs,
-            batch_size=1,
-            sparsity_matching=1.0,
-            complete=True,
-            confidence=torch.ones(1, dtype=torch.float64),
-            seconds=0.0,
-        )
+        return _complete(inputs)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
