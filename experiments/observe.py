@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from experiments.config import Setting
+from experiments.dp_prior import denoised_oracle
 from fl_attack.data.images import ImageData, sample_batch
 from fl_attack.data.tabular import TabularData, sample_tabular_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
@@ -117,6 +118,18 @@ def oracle_quality(trial: Trial, weight_grad: Tensor, data: ImageData, *, thresh
     return {"oracle_mean_psnr": quality.mean_psnr, "oracle_success": float(quality.mean_psnr > threshold_db)}
 
 
+def oracle_denoised_psnr(trial: Trial, weight_grad: Tensor, data: ImageData, *, sigma: float) -> Facts:
+    """The oracle's inputs under the image prior of :mod:`experiments.dp_prior` (TV, pixel range)."""
+    d = output_gradient(trial.model, trial.inputs, trial.labels)
+    grad = weight_grad.double()
+    inputs = torch.linalg.solve(d @ d.T, d @ grad)
+    denoised = denoised_oracle(inputs, weight_grad=grad, columns=d, noise_std=sigma, data=data)
+    quality = evaluate_reconstruction(
+        denoised, trial.reference, denormalize=data.denormalize, image_shape=data.image_shape
+    )
+    return {"oracle_denoised_mean_psnr": quality.mean_psnr}
+
+
 def _dp(setting: Setting, trial: Trial, data: Data) -> Observation:
     """FedSGD gradient plus Gaussian noise of std ``noise_factor x median |dL/dW|``."""
     if not isinstance(data, ImageData):
@@ -127,6 +140,8 @@ def _dp(setting: Setting, trial: Trial, data: Data) -> Observation:
     noisy_w, noisy_b = noisy_gradient(weight_grad, bias_grad, sigma=sigma, seed=trial.seed)
     facts = {"median_abs": median, "sigma": sigma}
     facts |= oracle_quality(trial, noisy_w, data, threshold_db=setting.threshold_db)
+    if sigma > 0:
+        facts |= oracle_denoised_psnr(trial, noisy_w, data, sigma=sigma)
     return Observation(first_layer_update(trial.model, noisy_w, noisy_b), trial.reference, facts)
 
 
@@ -211,7 +226,7 @@ OBSERVERS: dict[str, Callable[[Setting, Trial, Data], Observation]] = {
 """How each section turns a trial into what the server observes."""
 
 FACTS: dict[str, tuple[str, ...]] = {
-    "dp": ("median_abs", "sigma", "oracle_mean_psnr", "oracle_success"),
+    "dp": ("median_abs", "sigma", "oracle_mean_psnr", "oracle_success", "oracle_denoised_mean_psnr"),
     "dpsgd": ("median_abs", "sigma", "noise_multiplier"),
     "fedavg": ("local_steps",),
     "fedavg-grid": ("local_steps",),
