@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from experiments.dp_ceilings import ceiling_facts
 from experiments.dp_prior import denoised_attack, size_prior
 from fl_attack.data.images import ImageData
+from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.pipeline.denoise import (
     denoise_images,
     gradient_columns,
@@ -192,3 +194,30 @@ def test_denoised_attack_uses_only_the_update_and_improves_a_noisy_estimate() ->
     assert float((denoised - inputs).square().mean()) < 0.5 * float((least_squares - inputs).square().mean())
     with pytest.raises(ValueError, match="noise_std must be positive and finite"):
         denoised_attack(least_squares, weight_grad=weight_grad, bias_grad=bias_grad, noise_std=0.0, data=data)
+
+
+def test_bias_scale_ceiling_is_the_oracle_when_the_bias_gradient_is_clean() -> None:
+    inputs, columns, _ = _problem(seed=3)
+    generator = torch.Generator().manual_seed(7)
+    data = _image_data(_blocky_images(50, generator).sub(MEAN[0]).div(STD[0]))
+    weight_grad = columns.T @ inputs + 0.5 * torch.randn(40, 256, generator=generator, dtype=torch.float64)
+    oracle = torch.linalg.solve(columns @ columns.T, columns @ weight_grad)
+    oracle_psnr = evaluate_reconstruction(oracle, inputs, denormalize=data.denormalize).mean_psnr
+
+    def facts(bias_grad: torch.Tensor) -> dict[str, float]:
+        return ceiling_facts(
+            columns=columns,
+            weight_grad=weight_grad,
+            bias_grad=bias_grad,
+            reference=inputs,
+            sigma=0.5,
+            data=data,
+        )
+
+    clean = facts(columns.sum(dim=0))
+    assert clean["bias_scale_mean_psnr"] == pytest.approx(oracle_psnr, abs=1e-9)
+    noisy_bias = columns.sum(dim=0) + 0.5 * torch.randn(40, generator=generator, dtype=torch.float64)
+    noisy = facts(noisy_bias)
+    assert noisy["bias_scale_mean_psnr"] < oracle_psnr
+    assert noisy["oracle_denoised_mean_psnr"] == clean["oracle_denoised_mean_psnr"]
+    assert noisy["oracle_denoised_mean_psnr"] > oracle_psnr
