@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 import torch
 
 from experiments.dp_ceilings import ceiling_facts
+from experiments.dp_gap import parse_seeds
 from experiments.dp_prior import denoised_attack, size_prior
 from fl_attack.data.images import ImageData
 from fl_attack.evaluation.metrics import evaluate_reconstruction
@@ -221,3 +223,12 @@ def test_bias_scale_ceiling_is_the_oracle_when_the_bias_gradient_is_clean() -> N
     assert noisy["bias_scale_mean_psnr"] < oracle_psnr
     assert noisy["oracle_denoised_mean_psnr"] == clean["oracle_denoised_mean_psnr"]
     assert noisy["oracle_denoised_mean_psnr"] > oracle_psnr
+
+
+def test_gap_seeds_parse_ranges_and_lists() -> None:
+    assert parse_seeds("0-2,5") == [0, 1, 2, 5]
+    assert parse_seeds("7") == [7]
+    with pytest.raises(argparse.ArgumentTypeError, match="bad seed range '3-1'"):
+        parse_seeds("3-1")
+    with pytest.raises(argparse.ArgumentTypeError, match="bad seed range 'a'"):
+        parse_seeds("a")

@@ -11,12 +11,14 @@ sample (``G`` is unchanged by ``d_i -> c d_i, x_i -> x_i / c``) is fixed only by
 gradient ``D^T 1``, and :func:`scale_uncertainty` reports how well (the relative std of the
 least-squares scales). On CIFAR-10 at (b, m) = (20, 200) with noise 1x the median gradient entry
 this scale error, not the directions, is most of the gap between the attack and an oracle that
-knows ``D`` (``experiments/README.md``, DP noise).
+knows ``D`` (README, "SPEAR++ Table 3: DP noise").
 
-:func:`denoise_images` is a *prior*, for callers that know their inputs are images: a
-total-variation (ROF) denoising of each recovered image with a weight proportional to the noise
-std its row carries, then clipping to the pixel range. It is never applied by the attacks
-(they stay agnostic of the data kind) and a denoised result is an estimate, never exact.
+Two *priors*, for callers that know what their inputs are: :func:`prior_scales` combines that
+uncertainty with a prior on the inputs' size (the rms of their entries over data of the same
+kind) into a factor per row, and :func:`denoise_images`, for images, is a total-variation (ROF)
+denoising of each recovered image with a weight proportional to the noise std its row carries,
+then clipping to the pixel range. Neither is applied by the attacks (they stay agnostic of the
+data kind), and a denoised result is an estimate, never exact.
 """
 
 from __future__ import annotations
