@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from experiments.config import Setting
+from experiments.dp_ceilings import ceiling_facts
 from fl_attack.data.images import ImageData, sample_batch
 from fl_attack.data.tabular import TabularData, sample_tabular_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
@@ -107,7 +108,8 @@ def oracle_quality(trial: Trial, weight_grad: Tensor, data: ImageData, *, thresh
 
     With ``D = dL/dZ`` the least-squares inputs ``(D D^T)^{-1} D G`` are the maximum-likelihood
     estimate under Gaussian noise on ``G``: no attack that must also estimate ``D`` can expect
-    more, so this is the ceiling against which a PSNR under noise is read.
+    more without a prior on the inputs (it also knows each sample's scale, which the update fixes
+    only through the noisy bias gradient; see :mod:`experiments.dp_ceilings`).
     """
     d = output_gradient(trial.model, trial.inputs, trial.labels)
     inputs = torch.linalg.solve(d @ d.T, d @ weight_grad.double())
@@ -127,6 +129,10 @@ def _dp(setting: Setting, trial: Trial, data: Data) -> Observation:
     noisy_w, noisy_b = noisy_gradient(weight_grad, bias_grad, sigma=sigma, seed=trial.seed)
     facts = {"median_abs": median, "sigma": sigma}
     facts |= oracle_quality(trial, noisy_w, data, threshold_db=setting.threshold_db)
+    if sigma > 0:
+        columns = output_gradient(trial.model, trial.inputs, trial.labels)
+        update = {"weight_grad": noisy_w, "bias_grad": noisy_b, "reference": trial.reference}
+        facts |= ceiling_facts(columns=columns, **update, sigma=sigma, data=data)
     return Observation(first_layer_update(trial.model, noisy_w, noisy_b), trial.reference, facts)
 
 
@@ -211,7 +217,15 @@ OBSERVERS: dict[str, Callable[[Setting, Trial, Data], Observation]] = {
 """How each section turns a trial into what the server observes."""
 
 FACTS: dict[str, tuple[str, ...]] = {
-    "dp": ("median_abs", "sigma", "oracle_mean_psnr", "oracle_success"),
+    "dp": (
+        "median_abs",
+        "sigma",
+        "oracle_mean_psnr",
+        "oracle_success",
+        "oracle_denoised_mean_psnr",
+        "bias_scale_mean_psnr",
+        "bias_scale_denoised_mean_psnr",
+    ),
     "dpsgd": ("median_abs", "sigma", "noise_multiplier"),
     "fedavg": ("local_steps",),
     "fedavg-grid": ("local_steps",),

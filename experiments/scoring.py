@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from experiments.config import Setting
+from experiments.dp_prior import denoised_attack
 from experiments.observe import Data, Observation
+from fl_attack.data.images import ImageData
 from fl_attack.data.tabular import TabularData
 from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.reconstruction import Reconstruction
@@ -27,6 +29,7 @@ _IMAGE_METRICS = ("mean_psnr", "min_psnr", "exact_fraction", "approx_fraction", 
 _LAYER_METRICS = ("mae", "max_abs_error", "mean_psnr", "min_psnr", "exact_fraction", "approx_fraction")
 _SECAGG_METRICS = ("client_recovery", "clients_full", "client_fractions")
 _BASELINE_METRICS = ("cosine_similarity", "iterations")
+_DP_METRICS = ("denoised_mean_psnr", "denoised_success")
 Metrics = dict[str, Any]
 _MEDIANS = ("mae", "proposals")
 """Metrics whose median over the batches is reported beside their mean."""
@@ -79,7 +82,8 @@ def metric_fields(setting: Setting, data: Data) -> tuple[str, ...]:
         return ("discrete_accuracy", "continuous_mae", "exact_fraction", *features)
     if setting.section == "layer":
         return _LAYER_METRICS
-    return (*_IMAGE_METRICS, *{"secagg": _SECAGG_METRICS, "full": _BASELINE_METRICS}.get(setting.section, ()))
+    extra = {"secagg": _SECAGG_METRICS, "full": _BASELINE_METRICS, "dp": _DP_METRICS}.get(setting.section, ())
+    return (*_IMAGE_METRICS, *extra)
 
 
 def client_recovery(psnr: torch.Tensor | None, setting: Setting) -> dict[str, Any]:
@@ -128,7 +132,36 @@ def score(setting: Setting, rec: Reconstruction, observed: Observation, data: Da
             metrics[key] = float(rec.stats[key])
     if setting.section == "secagg":
         metrics |= client_recovery(quality.psnr, setting)
+    if setting.section == "dp" and isinstance(data, ImageData):
+        metrics |= _denoised(setting, rec, observed, data)
     return quality.mean_psnr > setting.threshold_db, metrics
+
+
+def _denoised(setting: Setting, rec: Reconstruction, observed: Observation, data: ImageData) -> Metrics:
+    """The DP table's second score: the reconstruction under the image prior (a prior, never exact).
+
+    Absent (NaN) when the attack read no noise off the spectrum or its rows are linearly
+    dependent (no gradient columns fit them).
+    """
+    noise_std = float(rec.stats.get("noise_std", 0.0))
+    update = observed.update
+    try:
+        denoised = denoised_attack(
+            rec.inputs,
+            weight_grad=update.weight_grad,
+            bias_grad=update.bias_grad,
+            noise_std=noise_std,
+            data=data,
+        )
+    except ValueError:
+        return {"denoised_mean_psnr": math.nan, "denoised_success": math.nan}
+    quality = evaluate_reconstruction(
+        denoised, observed.reference, denormalize=data.denormalize, image_shape=data.image_shape
+    )
+    return {
+        "denoised_mean_psnr": quality.mean_psnr,
+        "denoised_success": float(quality.mean_psnr > setting.threshold_db),
+    }
 
 
 def _finite(values: Sequence[Any]) -> list[float]:
