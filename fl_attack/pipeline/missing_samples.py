@@ -138,14 +138,18 @@ def missing_direction_proposals(
     directions (a repeated run would reach the same samples). The gradient-side scans of
     :func:`~fl_attack.pipeline.last_direction.scan_missing_directions` run for ``d`` in
     ``{1, 2}`` only where the input side proposed nothing: at ``d = 2`` they cost seconds.
-    ``state.stats`` counts ``missing_sample_proposals`` and ``scan_proposals``.
+    ``state.stats`` counts ``missing_sample_proposals`` and ``scan_proposals``. Before the attack's
+    first round is over the input side is set up here only when some feature is zero for the whole
+    batch (the cheap sign of sparse inputs): the set-up's emptiness probe, one linear programme,
+    costs up to a second on thousands of dense features.
     """
     b = state.factors.batch_size
     missing = b - trusted.shape[0]
     pre_activation_basis = scorer.pre_activation_basis[state.active]
     bias = scorer.update.bias[state.active]
     slot = state.input_side
-    side = slot.get(state) if slot is not None and 1 <= missing <= b // 2 else None
+    wanted = slot is not None and 1 <= missing <= b // 2 and (slot.ready or _dead_features(state, scorer))
+    side = slot.get(state) if slot is not None and wanted else None
     if (
         slot is not None
         and side is not None
@@ -184,6 +188,17 @@ def missing_direction_proposals(
     )
     state.stats["scan_proposals"] = state.stats.get("scan_proposals", 0) + int(proposals.shape[0])
     return proposals
+
+
+def _dead_features(state: SearchContext, scorer: SparsityMatchingScorer) -> bool:
+    """Whether some input feature is zero for the whole batch (a zero column of the right factor)."""
+    tolerance = state.pool.tolerance
+    side = InputSide.from_factors(
+        state.factors,
+        relative_noise=tolerance.relative_noise,
+        relative_zero=tolerance.absolute * math.sqrt(scorer.update.width),
+    )
+    return not bool(side.live.all())
 
 
 __all__ = ["EXTRA_PROGRAMMES", "missing_direction_proposals", "missing_sample_directions"]
