@@ -36,6 +36,12 @@ from fl_attack.pipeline.sparsity import ZeroTolerance
 #: repeat a sample whose gradient-side direction the scan did not pin).
 EXTRA_PROGRAMMES = 2
 
+#: One call of :func:`missing_direction_proposals` spends at most this share of the search time
+#: left on its programmes (at least ``MIN_SECONDS``): on thousands of live features and large
+#: batches one programme takes seconds, and the sphere search must keep its time.
+TIME_SHARE = 0.25
+MIN_SECONDS = 0.2
+
 
 def missing_sample_directions(
     side: InputSide,
@@ -137,7 +143,8 @@ def missing_direction_proposals(
     directions are trusted, :func:`missing_sample_directions` runs once per set of trusted
     directions (a repeated run would reach the same samples). The gradient-side scans of
     :func:`~fl_attack.pipeline.last_direction.scan_missing_directions` run for ``d`` in
-    ``{1, 2}`` only where the input side proposed nothing: at ``d = 2`` they cost seconds.
+    ``{1, 2}`` only where the input side proposed nothing: at ``d = 2`` they cost seconds. The
+    programmes of one call stop after ``TIME_SHARE`` of the search time left.
     ``state.stats`` counts ``missing_sample_proposals`` and ``scan_proposals``. Before the attack's
     first round is over the input side is set up here only when some feature is zero for the whole
     batch (the cheap sign of sparse inputs): the set-up's emptiness probe, one linear programme,
@@ -159,6 +166,7 @@ def missing_direction_proposals(
         )
     ):
         slot.tried.append(trusted)
+        now = time.perf_counter()
         proposals = missing_sample_directions(
             side,
             trusted,
@@ -168,7 +176,7 @@ def missing_direction_proposals(
             tolerance=state.pool.tolerance,
             min_zeros=state.pool.weak_min_zeros,
             generator=state.generator,
-            deadline=state.deadline,
+            deadline=min(state.deadline, now + max(MIN_SECONDS, TIME_SHARE * (state.deadline - now))),
         )
         state.stats["input_side"] = "used"
         count = state.stats.get("missing_sample_proposals", 0) + int(proposals.shape[0])
@@ -201,4 +209,10 @@ def _dead_features(state: SearchContext, scorer: SparsityMatchingScorer) -> bool
     return not bool(side.live.all())
 
 
-__all__ = ["EXTRA_PROGRAMMES", "missing_direction_proposals", "missing_sample_directions"]
+__all__ = [
+    "EXTRA_PROGRAMMES",
+    "MIN_SECONDS",
+    "TIME_SHARE",
+    "missing_direction_proposals",
+    "missing_sample_directions",
+]
