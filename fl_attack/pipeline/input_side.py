@@ -376,8 +376,9 @@ def interleave_input_side(
 ) -> Iterator[torch.Tensor]:
     """The attack's proposal rounds with input-side rounds between them, where they apply.
 
-    Nothing is set up before the attack's first round has been consumed (``input_side`` reads
-    :data:`NOT_NEEDED` when the attack stops there); ``state.input_side`` then sets it up once. After each of the attack's rounds, an input-side round spends at most as long on cone
+    The rounds start after the attack's first round (``input_side`` reads :data:`NOT_NEEDED` when it
+    stops there); ``state.input_side`` shares the one set-up with the missing-sample programmes.
+    After each of the attack's rounds, an input-side round spends at most as long on cone
     vertices, and as long again on turning them into gradient-side directions (each at least
     ``MIN_ROUND_SECONDS``). The input side is not used when the live features are fewer than
     ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few dimensions meets the
@@ -386,8 +387,7 @@ def interleave_input_side(
     when some feature is zero for the whole batch; one that does not finish counts as empty),
     or when the first round finds no vertex sparser than a generic one. The rounds stop once
     ``STALE_ROUNDS`` rounds in a row add nothing to the pool, or at the deadline.
-    ``state.stats`` records ``input_side`` (``"used"`` or why not), ``input_side_vertices``
-    and ``input_side_proposals``.
+    ``state.stats`` records ``input_side`` (``"used"`` or why not) and the vertex and proposal counts.
     """
     state.input_side = InputSideSlot(scorer)
     rounds = _timed(proposals)
