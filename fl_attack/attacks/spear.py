@@ -23,8 +23,8 @@ from fl_attack.pipeline.candidates import (
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
-from fl_attack.pipeline.input_side import interleave_input_side
-from fl_attack.pipeline.last_direction import scan_missing_directions
+from fl_attack.pipeline.input_side import InputSideSlot, interleave_input_side
+from fl_attack.pipeline.missing_samples import missing_direction_proposals
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.polish import polish
 from fl_attack.pipeline.precision import precision_stats
@@ -77,6 +77,7 @@ class SearchState:
     finish_by: float = math.inf
     head: HeadPrior | None = None
     incumbent: torch.Tensor | None = None  # the best complete selection's directions so far
+    input_side: InputSideSlot | None = None  # set by the input-side rounds where they run
 
 
 class GradientInversionAttack(ABC):
@@ -468,24 +469,11 @@ class GradientInversionAttack(ABC):
     def _last_direction_proposals(
         self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
     ) -> torch.Tensor:
-        """Scan for the one or two directions missing (or doubtful) in an otherwise good selection."""
-        b = state.factors.batch_size
+        """Proposals for the directions missing (or doubtful) in an otherwise good selection."""
         trusted = selection.found & is_member(selection.directions, state.pool.directions)
         if selection.complete:
             trusted &= selection.per_sample >= self.accept_matching
-        if int(trusted.sum()) not in (b - 1, b - 2):
-            return state.factors.left.new_zeros(0, b)
-        proposals = scan_missing_directions(
-            state.factors,
-            selection.directions[trusted],
-            pre_activation_basis=scorer.pre_activation_basis[state.active],
-            bias=scorer.update.bias[state.active],
-            tolerance=state.pool.tolerance,
-            min_zeros=state.pool.weak_min_zeros,
-            deadline=state.deadline,
-        )
-        state.stats["scan_proposals"] = state.stats.get("scan_proposals", 0) + int(proposals.shape[0])
-        return proposals
+        return missing_direction_proposals(state, scorer, selection.directions[trusted])
 
     @abstractmethod
     def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,7 +40,7 @@ from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
 from fl_attack.pipeline.select import SparsityMatchingScorer
-from fl_attack.pipeline.sparsity import ZeroTolerance, refine_on_zeros
+from fl_attack.pipeline.sparsity import ZeroTolerance, deduplicate, refine_on_zeros
 
 #: A vertex is kept when it has at least this many input zeros beyond the ``b - 1`` any
 #: vertex has: a real sparse input has tens to hundreds more.
@@ -80,6 +80,7 @@ class SearchContext(Protocol):
     stats: dict[str, Any]
     active: torch.Tensor
     noisy: bool
+    input_side: InputSideSlot | None
 
 
 @dataclass(frozen=True)
@@ -357,10 +358,8 @@ def gradient_directions(
             chunk=chunk,
             deadline=deadline,
         )
-        # every pattern with a kernel: the sample's own is the largest that has one, but a
-        # smaller one around it can leave a second near-kernel vector (a look-alike sample)
-        # with a smaller residual, and a larger one can pass the tolerance under noise; the
-        # pool's filters and the selection tell them apart
+        # every pattern with a kernel: a smaller one around the sample's own can leave a look-alike's
+        # near-kernel with a smaller residual; the pool's filters and the selection tell them apart
         hits.sort(key=lambda item: item[0])
         found.extend(vector for _, vector in hits[:MAX_KERNELS_PER_INPUT])
     if not found:
@@ -377,8 +376,9 @@ def interleave_input_side(
 ) -> Iterator[torch.Tensor]:
     """The attack's proposal rounds with input-side rounds between them, where they apply.
 
-    Nothing is set up before the attack's first round has been consumed (``input_side`` reads
-    :data:`NOT_NEEDED` when the attack stops there). After each of the attack's rounds, an input-side round spends at most as long on cone
+    The rounds start after the attack's first round (``input_side`` reads :data:`NOT_NEEDED` when it
+    stops there); ``state.input_side`` shares the one set-up with the missing-sample programmes.
+    After each of the attack's rounds, an input-side round spends at most as long on cone
     vertices, and as long again on turning them into gradient-side directions (each at least
     ``MIN_ROUND_SECONDS``). The input side is not used when the live features are fewer than
     ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few dimensions meets the
@@ -387,9 +387,9 @@ def interleave_input_side(
     when some feature is zero for the whole batch; one that does not finish counts as empty),
     or when the first round finds no vertex sparser than a generic one. The rounds stop once
     ``STALE_ROUNDS`` rounds in a row add nothing to the pool, or at the deadline.
-    ``state.stats`` records ``input_side`` (``"used"`` or why not), ``input_side_vertices``
-    and ``input_side_proposals``.
+    ``state.stats`` records ``input_side`` (``"used"`` or why not) and the vertex and proposal counts.
     """
+    state.input_side = InputSideSlot(scorer)
     rounds = _timed(proposals)
     first = next(rounds, None)
     if first is None:
@@ -397,7 +397,7 @@ def interleave_input_side(
     # an attack done after its first round (dense inputs usually are) never pays for the set-up
     state.stats["input_side"] = NOT_NEEDED
     yield first[1]
-    side = _usable_input_side(state, scorer)
+    side = state.input_side.get(state)
     if side is None:
         yield from (directions for _, directions in rounds)
         return
@@ -412,6 +412,7 @@ def interleave_input_side(
                 side, count=2 * b, generator=state.generator, known=state.pool.directions, deadline=until
             )
             refined, _ = side.refine(vertices)
+            refined = refined[deduplicate(refined, cos_tolerance=state.pool.cos_tolerance)]  # one scan each
             if state.stats["input_side_vertices"] == 0 and refined.shape[0] == 0:
                 state.stats["input_side"] = "no sparse non-negative vertex"
                 stale = STALE_ROUNDS
@@ -436,6 +437,21 @@ def interleave_input_side(
             return
         seconds, directions = following
         yield directions
+
+
+@dataclass
+class InputSideSlot:
+    """The input side of one attack, set up on first use, at most once (``get``: None where it does not apply)."""
+
+    scorer: SparsityMatchingScorer
+    side: InputSide | None = None
+    ready: bool = False
+    tried: list[torch.Tensor] = field(default_factory=list)  # known sets of the missing-sample programmes
+
+    def get(self, state: SearchContext) -> InputSide | None:
+        if not self.ready:
+            self.side, self.ready = _usable_input_side(state, self.scorer), True
+        return self.side
 
 
 def _usable_input_side(state: SearchContext, scorer: SparsityMatchingScorer) -> InputSide | None:
@@ -476,6 +492,7 @@ def _timed(proposals: Iterator[torch.Tensor]) -> Iterator[tuple[float, torch.Ten
 
 __all__ = [
     "InputSide",
+    "InputSideSlot",
     "SearchContext",
     "cone_vertices",
     "gradient_directions",

@@ -171,7 +171,12 @@ def sparsest_independent(candidates: torch.Tensor, zero_counts: torch.Tensor, si
         vector = candidates[index] / candidates[index].norm()
         if units.shape[0] and float((units @ vector).abs().max()) > 1.0 - TWIN_COS_TOLERANCE:
             continue
-        residual = vector - basis.T @ (basis @ vector) if basis.shape[0] else vector
+        residual = vector
+        if basis.shape[0]:
+            # twice: one pass of classical Gram-Schmidt loses orthogonality among near-dependent
+            # candidates (mixtures of a few look-alike samples), and a dependent set passes
+            for _ in range(2):
+                residual = residual - basis.T @ (basis @ residual)
         norm = residual.norm()
         if norm > RANK_TOLERANCE:
             chosen.append(index)
