@@ -2,7 +2,9 @@
 
 A deadline is a ``time.perf_counter()`` value (``math.inf``: none). Each stage splits its
 batched tensor work into chunks estimated to take :data:`CHUNK_SECONDS` and checks the
-deadline between chunks, so it overruns the deadline by about one chunk at most. The
+deadline between chunks, so it overruns the deadline by about one chunk at most. A LAPACK
+call that cannot be split (the decomposition's singular values or eigenvectors) is not started
+when its estimated cost does not fit before the deadline (:func:`require_time`). The
 estimates come from a fixed cost model of the operations (below), never from timings, so
 chunk sizes depend only on the problem's shape and the device: the same seed gives the same
 reconstruction whenever the deadline is not reached.
