@@ -28,7 +28,7 @@ from fl_attack.pipeline.deadline import (
     symmetric_eigen_seconds,
 )
 from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.out_of_time import DECOMPOSITION_SHARE
+from fl_attack.pipeline.out_of_time import DECOMPOSITION_SHARE, out_of_time
 
 #: Seconds of slack on top of the promised 110%: scheduling noise of a shared test machine.
 SLACK = 0.5
@@ -225,3 +225,8 @@ def test_attack_with_time_to_spare_gives_the_unbounded_reconstruction() -> None:
     assert bounded.complete and free.complete
     assert torch.equal(bounded.inputs, free.inputs)
     assert "stop_reason" not in bounded.stats
+
+
+def test_out_of_time_rejects_impossible_shapes() -> None:
+    with pytest.raises(ValueError, match="need batch_size >= 0 and input_dim >= 1, got -1 and 5"):
+        out_of_time("spear++", batch_size=-1, input_dim=5, start=time.perf_counter(), budget=1.0, reason="x")
