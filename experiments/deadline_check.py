@@ -8,7 +8,8 @@ budget. The attack promises to return within ``budget + 10%``::
         --batch-sizes 100 150 190 --budget 5
 
 ``--noise`` adds Gaussian noise of that many times the gradient's median entry (the noisy
-path, with its final pruning of doubtful rows). Exit status 1 when any row overshoots.
+path, with its final pruning of doubtful rows). A row whose decomposition could not fit in the
+budget (no search ran) says why under "stopped by". Exit status 1 when any row overshoots.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class DeadlineRow:
     stopped_by: str
     found: int
     complete: bool
+    stop_reason: str = ""
 
     @property
     def overshoot(self) -> float:
@@ -97,6 +99,7 @@ def time_attack(
         stopped_by=str(rec.stats.get("stopped_by", "accepted")),
         found=rec.found,
         complete=rec.complete,
+        stop_reason=str(rec.stats.get("stop_reason", "")),
     )
 
 
@@ -109,7 +112,8 @@ def markdown(rows: Sequence[DeadlineRow]) -> str:
     for row in rows:
         lines.append(
             f"| {row.batch_size} | {row.width} | {row.budget:g} | {row.seconds:.2f} | {100 * row.overshoot:+.1f}% "
-            f"| {'yes' if row.within_bound else 'NO'} | {row.stopped_by} | {row.initializations} "
+            f"| {'yes' if row.within_bound else 'NO'} | {row.stopped_by}"
+            f"{': ' + row.stop_reason if row.stop_reason else ''} | {row.initializations} "
             f"| {row.found}/{row.batch_size} "
             f"| {row.complete} |"
         )

@@ -209,14 +209,37 @@ def test_large_layers_take_the_same_factors_without_a_full_svd(
     assert float(torch.linalg.svdvals(fast.left.T @ full.left).min()) > 1 - 1e-12
 
 
-def test_large_noisy_layers_fall_back_to_the_full_svd(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a clean gap subspace iteration would not converge: the full SVD's vectors are used."""
+def test_large_noisy_layers_take_the_full_svd_subspace_from_the_gram_matrix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a clean gap subspace iteration would not converge: the vectors come from the Gram
+    matrix's eigendecomposition, no SVD of the whole layer, and span the full SVD's subspace."""
     import fl_attack.pipeline.decompose as decomposition
 
     weight_grad, output_grad, _ = _gradient("photo-patches", 12, 300, 0)
     sigma = 0.5 * median_abs_entry(weight_grad)
     noisy, _ = noisy_gradient(weight_grad, output_grad.sum(1), sigma=sigma, seed=0)
-    expected = decompose(torch.as_tensor(noisy).double(), batch_size=12)
-    monkeypatch.setattr(decomposition, "LARGE_SIDE", 100)
-    got = decompose(torch.as_tensor(noisy).double(), batch_size=12)
-    assert torch.equal(got.left, expected.left) and torch.equal(got.right, expected.right)
+    calls: list[int] = []
+    real_svd = torch.linalg.svd
+
+    def counted_svd(a: torch.Tensor, **kwargs):
+        calls.append(min(a.shape))
+        return real_svd(a, **kwargs)
+
+    for update in (torch.as_tensor(noisy).double(), torch.as_tensor(noisy).double().T):
+        expected = decompose(update, batch_size=12)
+        calls.clear()
+        monkeypatch.setattr(decomposition.torch.linalg, "svd", counted_svd)
+        monkeypatch.setattr(decomposition, "LARGE_SIDE", 100)
+        got = decompose(update, batch_size=12)
+        monkeypatch.undo()
+        assert calls == [12]  # only the projection on the 12 top vectors
+        assert torch.allclose(got.singular_values, expected.singular_values, rtol=1e-12, atol=0)
+        assert got.spectrum.batch_size == expected.spectrum.batch_size == 12
+        assert math.isclose(got.spectrum.relative_noise, expected.spectrum.relative_noise, rel_tol=1e-12)
+        assert got.spectrum.noisy and got.spectrum.relative_noise > 0.9  # heavy noise: a tiny gap
+        low_rank = expected.left @ expected.right
+        assert float((got.left @ got.right - low_rank).norm() / low_rank.norm()) < 1e-11
+        identity = torch.eye(12, dtype=torch.float64)
+        assert float((got.left.T @ got.left - identity).abs().max()) < 1e-13  # orthonormal left factor
+        assert float(torch.linalg.svdvals(got.left.T @ expected.left).min()) > 1 - 1e-11

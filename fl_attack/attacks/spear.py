@@ -21,11 +21,12 @@ from fl_attack.pipeline.candidates import (
     rows_not_in,
 )
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
-from fl_attack.pipeline.decompose import LowRankFactors, decompose, noise_std, rounding_floor
+from fl_attack.pipeline.decompose import LowRankFactors, noise_std
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.input_side import InputSideSlot, interleave_input_side
 from fl_attack.pipeline.missing_samples import missing_direction_proposals
 from fl_attack.pipeline.mixtures import split_mixtures
+from fl_attack.pipeline.out_of_time import decompose_in_time
 from fl_attack.pipeline.polish import polish
 from fl_attack.pipeline.precision import precision_stats
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
@@ -93,13 +94,12 @@ class GradientInversionAttack(ABC):
         Seed of the attack's own random generator; the same seed on the same device gives
         the same reconstruction.
     time_budget
-        Seconds within which ``invert`` returns the best reconstruction it has, measured from
-        its call; None for no limit. Every stage checks the deadline between bounded chunks
-        of work (:mod:`fl_attack.pipeline.deadline`), the search stops early enough to leave
-        time for the final selection and self-check, and on noisy gradients the final pruning
-        of doubtful rows (:func:`fl_attack.pipeline.select.prune_doubtful`) may run up to 5%
-        of it (at most 30 s) past it: ``invert`` returns within 110% of the budget. Only the
-        initial SVD cannot be interrupted.
+        Seconds within which ``invert`` returns the best reconstruction it has, measured from its
+        call; None for no limit. Every stage checks the deadline between bounded chunks of work
+        (:mod:`fl_attack.pipeline.deadline`; a LAPACK call is not started when it would not fit),
+        the search leaves time for the final selection and self-check, and on noisy gradients
+        pruning (:func:`fl_attack.pipeline.select.prune_doubtful`) may run 5% of it (30 s at most)
+        past it: ``invert`` returns within 110% of the budget.
     false_rejection
         Probability of wrongly discarding a correct direction by the sparsity filter
         (SPEAR Sec. 4.1); sets the minimum zero fraction ``tau``.
@@ -204,9 +204,11 @@ class GradientInversionAttack(ABC):
         check_batch_size(batch_size)
         device = resolve_device(self.device)
         update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
-        floor = rounding_floor(update.weight_grad, unit_roundoff=update.unit_roundoff, weight=update.weight)
-        factors = decompose(update.weight_grad, batch_size=batch_size, rounding_floor=floor)
-        b, m = factors.batch_size, update.width
+        budget = time_budget if time_budget is not None else self.time_budget
+        factors = decompose_in_time(update, name=self.name, batch_size=batch_size, start=start, budget=budget)
+        if isinstance(factors, Reconstruction):
+            return factors  # the budget ran out in the decomposition
+        b, m, floor = factors.batch_size, update.width, factors.spectrum.rounding_floor
         noise = noise_level if noise_level is not None else self.noise_level
         relative_noise = noise if noise is not None else factors.spectrum.relative_noise
         tolerance = ZeroTolerance.from_noise(relative_noise, width=m, factor=self.zero_tolerance_factor)
@@ -217,7 +219,6 @@ class GradientInversionAttack(ABC):
             entry_noise = noise_std(factors.singular_values, batch_size=b, shape=shape)
             if entry_noise > 0:
                 tolerance = tolerance.with_entry_noise(entry_noise, factors.singular_values[:b])
-        budget = time_budget if time_budget is not None else self.time_budget
         stats: dict[str, Any] = {
             "attack": self.name,
             "estimated_batch_size": factors.spectrum.batch_size,
@@ -231,8 +232,7 @@ class GradientInversionAttack(ABC):
         if floor > 0:
             stats["signal_to_rounding"] = weakest / floor  # below ~4 the weakest sample is lost to rounding
         if entry_noise > 0:
-            # the weakest sample against the top of the noise bulk (Marchenko-Pastur edge): below
-            # ~1 it is indistinguishable from the noise
+            # the weakest sample against the noise bulk's top (Marchenko-Pastur edge): below ~1 it is lost
             n = update.input_dim
             stats["rank_noise_ratio"] = weakest / (
                 entry_noise * (math.sqrt(max(m - b, 1)) + math.sqrt(max(n - b, 1)))

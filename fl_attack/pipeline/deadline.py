@@ -2,7 +2,9 @@
 
 A deadline is a ``time.perf_counter()`` value (``math.inf``: none). Each stage splits its
 batched tensor work into chunks estimated to take :data:`CHUNK_SECONDS` and checks the
-deadline between chunks, so it overruns the deadline by about one chunk at most. The
+deadline between chunks, so it overruns the deadline by about one chunk at most. A LAPACK
+call that cannot be split (the decomposition's singular values or eigenvectors) is not started
+when its estimated cost does not fit before the deadline (:func:`require_time`). The
 estimates come from a fixed cost model of the operations (below), never from timings, so
 chunk sizes depend only on the problem's shape and the device: the same seed gives the same
 reconstruction whenever the deadline is not reached.
@@ -31,6 +33,23 @@ _EIGH_SECONDS_PER_SQUARE = 3.5e-7
 _QR_SECONDS_PER_SQUARE = 1.5e-7
 _CHOLESKY_SECONDS_PER_SQUARE = 4e-8
 _SECONDS_PER_ENTRY = 2e-9
+# One large LAPACK call on a float64 matrix with long side M and short side N, same busy core:
+# singular values take ~(4 M N^2 - 4/3 N^3) flops at 1e-10 s each (4000 x 3072: model 11 s, measured
+# 4.8 s idle and 11-24 s at load 1.5-8), singular vectors add ~20 N^3, and a symmetric
+# eigendecomposition with vectors ~9 N^3 (3072: model 26 s, measured 54 s at load 8).
+_LAPACK_SECONDS_PER_FLOP = 1e-10
+
+#: Gram matrices are summed over chunks of at least this many rows: a matrix product whose inner
+#: dimension is shorter runs far below the speed the cost model assumes.
+GRAM_MIN_ROWS = 256
+
+
+class DeadlineReached(TimeoutError):
+    """The deadline passed inside a stage that has nothing to return before it ends.
+
+    Raised between chunks of the work, or before an uninterruptible call whose estimated cost
+    (from the cost model of this module) does not fit in the time left.
+    """
 
 
 def matmul_seconds(flops: float) -> float:
@@ -61,6 +80,83 @@ def qr_seconds(size: int) -> float:
 def cholesky_seconds(size: int) -> float:
     """Estimated seconds of one Cholesky factorization of a ``size x size`` matrix."""
     return _CHOLESKY_SECONDS_PER_SQUARE * size * size + matmul_seconds(size**3 / 3.0)
+
+
+def svdvals_seconds(rows: int, columns: int) -> float:
+    """Estimated seconds of the singular values (no vectors) of one ``rows x columns`` matrix."""
+    large, small = max(rows, columns), min(rows, columns)
+    return _LAPACK_SECONDS_PER_FLOP * (4.0 * large * small * small - 4.0 / 3.0 * small**3)
+
+
+def svd_seconds(rows: int, columns: int) -> float:
+    """Estimated seconds of the thin SVD (with singular vectors) of one ``rows x columns`` matrix."""
+    small = min(rows, columns)
+    return svdvals_seconds(rows, columns) + _LAPACK_SECONDS_PER_FLOP * 20.0 * small**3
+
+
+def symmetric_eigen_seconds(size: int) -> float:
+    """Estimated seconds of the eigenvalues and eigenvectors of one large ``size x size`` symmetric matrix."""
+    return _LAPACK_SECONDS_PER_FLOP * 9.0 * size**3
+
+
+def require_time(seconds: float, *, deadline: float, what: str) -> None:
+    """Raise :class:`DeadlineReached` unless ``seconds`` of uninterruptible work fit before ``deadline``.
+
+    Parameters
+    ----------
+    seconds
+        Estimated cost of the work, from the cost model of this module.
+    deadline
+        ``time.perf_counter()`` value (``math.inf``: none, never raises).
+    what
+        The work, for the message (``"the singular values of a 4000 x 3072 update"``).
+    """
+    left = deadline - time.perf_counter()
+    if seconds > left:
+        raise DeadlineReached(
+            f"{what} would take about {seconds:.3g} s and {max(left, 0.0):.3g} s are left before the deadline"
+        )
+
+
+def chunked_product(left: torch.Tensor, right: torch.Tensor, *, deadline: float) -> torch.Tensor:
+    """``left @ right`` computed in chunks of rows of ``left``, checking the deadline between them.
+
+    Each row of the product is computed by the same kernel as in one call, so the result is the
+    same whatever the chunks (measured bit for bit with MKL).
+
+    Raises
+    ------
+    DeadlineReached
+        When the deadline passes before the last chunk.
+    """
+    size = chunk_rows(matmul_seconds(2.0 * left.shape[1] * right.shape[1]), device=left.device)
+    parts = []
+    for start in range(0, left.shape[0], size):
+        if expired(deadline):
+            raise DeadlineReached(f"the deadline passed after {start} of {left.shape[0]} rows of a product")
+        parts.append(left[start : start + size] @ right)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def chunked_gram(matrix: torch.Tensor, *, deadline: float) -> torch.Tensor:
+    """``matrix^T matrix`` summed over chunks of rows, checking the deadline between them.
+
+    Raises
+    ------
+    DeadlineReached
+        When the deadline passes before the last chunk.
+    """
+    columns = matrix.shape[1]
+    size = max(GRAM_MIN_ROWS, chunk_rows(matmul_seconds(2.0 * columns * columns), device=matrix.device))
+    gram = matrix.new_zeros(columns, columns)
+    for start in range(0, matrix.shape[0], size):
+        if expired(deadline):
+            raise DeadlineReached(
+                f"the deadline passed after {start} of {matrix.shape[0]} rows of a Gram matrix"
+            )
+        block = matrix[start : start + size]
+        gram += block.T @ block
+    return gram
 
 
 def expired(deadline: float) -> bool:
