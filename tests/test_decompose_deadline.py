@@ -81,6 +81,11 @@ def test_require_time_names_the_work_and_the_time_left() -> None:
         require_time(5.0, deadline=time.perf_counter() + 1.0, what="the SVD of X")
     with pytest.raises(DeadlineReached, match=r"and 0 s are left"):
         require_time(1e-9, deadline=PASSED, what="a call after the deadline")
+    # the CPU cost model would refuse an accelerator work it does in a fraction of the time
+    soon = time.perf_counter() + 1.0
+    require_time(5.0, deadline=soon, what="the SVD of X", device=torch.device("cuda"))
+    with pytest.raises(DeadlineReached):
+        require_time(5.0, deadline=soon, what="the SVD of X", device=torch.device("cpu"))
 
 
 def test_chunked_product_is_the_product_bit_for_bit() -> None:

@@ -99,18 +99,23 @@ def symmetric_eigen_seconds(size: int) -> float:
     return _LAPACK_SECONDS_PER_FLOP * 9.0 * size**3
 
 
-def require_time(seconds: float, *, deadline: float, what: str) -> None:
+def require_time(seconds: float, *, deadline: float, what: str, device: torch.device | None = None) -> None:
     """Raise :class:`DeadlineReached` unless ``seconds`` of uninterruptible work fit before ``deadline``.
 
     Parameters
     ----------
     seconds
-        Estimated cost of the work, from the cost model of this module.
+        Estimated cost of the work on a CPU, from the cost model of this module.
     deadline
         ``time.perf_counter()`` value (``math.inf``: none, never raises).
     what
         The work, for the message (``"the singular values of a 4000 x 3072 update"``).
+    device
+        Where the work runs: an accelerator is assumed :data:`ACCELERATOR_CHUNK_FACTOR` times
+        faster (the CPU model would refuse it work it finishes in a fraction of the budget).
     """
+    if device is not None and device.type != "cpu":
+        seconds /= ACCELERATOR_CHUNK_FACTOR
     left = deadline - time.perf_counter()
     if seconds > left:
         raise DeadlineReached(

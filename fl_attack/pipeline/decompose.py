@@ -312,12 +312,20 @@ def decompose(
     m, n = weight_grad.shape
     if min(m, n) >= LARGE_SIDE:
         require_time(
-            svdvals_seconds(m, n), deadline=deadline, what=f"the singular values of a {m} x {n} update"
+            svdvals_seconds(m, n),
+            deadline=deadline,
+            what=f"the singular values of a {m} x {n} update",
+            device=weight_grad.device,
         )
         s = torch.linalg.svdvals(weight_grad)
         u = vh = None
     else:
-        require_time(svd_seconds(m, n), deadline=deadline, what=f"the SVD of a {m} x {n} update")
+        require_time(
+            svd_seconds(m, n),
+            deadline=deadline,
+            what=f"the SVD of a {m} x {n} update",
+            device=weight_grad.device,
+        )
         u, s, vh = _full_svd(weight_grad)
     spectrum = estimate_batch_size(s, shape=(m, n), rounding_floor=rounding_floor)
     if batch_size is not None:
@@ -383,7 +391,10 @@ def _top_singular_triplets(
         basis = torch.linalg.qr(chunked_product(weight_grad, right_basis, deadline=deadline)).Q
     m, n = weight_grad.shape
     require_time(
-        matmul_seconds(2.0 * m * n * k), deadline=deadline, what="the projection on the top subspace"
+        matmul_seconds(2.0 * m * n * k),
+        deadline=deadline,
+        what="the projection on the top subspace",
+        device=weight_grad.device,
     )
     small_u, top, vh = torch.linalg.svd(basis.T @ weight_grad, full_matrices=False)
     return basis @ small_u, top, vh
@@ -411,6 +422,7 @@ def _gram_triplets(
         symmetric_eigen_seconds(size),
         deadline=deadline,
         what=f"the eigenvectors of a {size} x {size} Gram matrix",
+        device=gram.device,
     )
     _, vectors = torch.linalg.eigh(gram)
     basis = vectors[:, -rank:].flip(1)  # top right singular vectors of `oriented`
