@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -84,6 +86,20 @@ def test_block_policy_drops_nothing() -> None:
     auditor.audit_round(1, updates)
     auditor.close()
     assert sorted(record.status for record in auditor.records) == ["ok"] * 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_pool_threads_record_at_low_priority_and_leave_the_caller_alone() -> None:
+    pool = AttackPool(workers=1)
+    seen: list[int] = []
+    pool.submit(
+        "job",
+        lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
+        lambda _: None,
+    )
+    pool.close()
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
 
 
 def test_pool_arguments_are_checked() -> None:

@@ -176,7 +176,7 @@ class AttackFallback:
                     num_gpus=auditor.attack_gpus,
                 )
             else:
-                runner = make_runner(self.attacker, auditor.isolation)
+                runner = make_runner(self.attacker, auditor.isolation, priority=auditor.priority)
             self._runners.value = runner
             with auditor._store_lock:
                 auditor._runners.append(runner)

@@ -19,6 +19,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .workers import lower_thread_priority
+
 QUEUE_POLICIES = ("block", "drop-oldest", "sample")
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,10 @@ class AttackPool:
         self.workers = workers
         self.queue_size = queue_size
         self.policy = policy
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fl-attack-pool")
+        # the pool threads judge, score and store finished attacks: the round's own work goes first
+        self._executor = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="fl-attack-pool", initializer=lower_thread_priority
+        )
         self._lock = threading.Lock()
         self._jobs: list[_Job] = []
         self._random = random.Random(seed)

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -271,22 +272,40 @@ class ThreadAttackRunner(AttackRunner):
 WORKER_PRIORITIES = ("idle", "low")
 
 
-def _yield_the_cores(priority: str) -> None:
-    """Lower this worker process's CPU priority below the federation's.
+def lower_thread_priority() -> bool:
+    """Give the calling thread nice 19 (Linux only, where nice is per thread); whether it worked.
+
+    For the server's pool threads, which judge, score and store finished attacks: the server's
+    own thread and the clients of a Ray simulation (nice 15) come first. Not ``SCHED_IDLE``:
+    these threads take the GIL, and one that waits indefinitely while holding it would stall
+    the server.
+    """
+    if not sys.platform.startswith("linux"):
+        return False  # elsewhere, setpriority on a thread id would change the whole process
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def _yield_the_cores(priority: str, pid: int = 0) -> None:
+    """Lower the CPU priority of worker process ``pid`` (0: this one) below the federation's.
 
     ``"idle"``: Linux ``SCHED_IDLE``, the worker takes only CPU time that nothing else wants
     (a weight of 3 against 36 for Ray's client actors, which run at nice 15), so rounds run at
     nearly their own speed; an attack started while every core trains may then use up its
     budget. ``"low"``: nice 19 (weight 15), so the attack also progresses during busy rounds,
     and takes about 15 / (15 + 36) of a core that a client wants. Where ``SCHED_IDLE`` is not
-    available, ``"idle"`` falls back to nice 19.
+    available, ``"idle"`` falls back to nice 19. The parent applies it as soon as the worker
+    starts, so that its imports (seconds of CPU) already run in the background.
     """
     if priority == "idle":
         with contextlib.suppress(AttributeError, OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined,unused-ignore]
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined,unused-ignore]
             return
     with contextlib.suppress(AttributeError, OSError):  # best effort: some systems refuse it
-        os.nice(19)
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
 
 
 def _worker_main(connection: Connection, attacker: Attacker, priority: str = "idle") -> None:
@@ -346,6 +365,7 @@ class ProcessAttackRunner(AttackRunner):
             daemon=True,
         )
         process.start()
+        _yield_the_cores(self.priority, process.pid)
         child.close()
         self._process, self._connection = process, parent
         try:
