@@ -216,18 +216,18 @@ def test_the_layer_is_read_without_reading_the_rest_of_the_model() -> None:
     assert same is loaded
 
 
-def test_an_auditor_with_workers_fixes_the_mmap_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    """glibc then serves each update from pages of its own, returned to the system when freed."""
-    import ctypes
-    import sys
+def test_every_finished_attack_gives_freed_pages_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each finished attack the pool thread asks glibc to return its heaps' free pages."""
+    from fl_attack.audit import auditor as auditor_module
 
-    from fl_attack.audit import memory
-
-    if not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):
-        pytest.skip("glibc only")
-    monkeypatch.setattr(memory, "_state", {})
-    Auditor(CountingAttacker(), isolation="thread", workers=1).close()
-    assert memory._state == {"done": True}
+    calls: list[int] = []
+    monkeypatch.setattr(auditor_module, "release_freed_memory", lambda: calls.append(1) or True)
+    auditor = Auditor(CountingAttacker(), isolation="thread", workers=1, timeout=PATIENCE)
+    global_arrays = _global_arrays()
+    auditor.start_round(1, global_arrays)
+    auditor.audit_round(1, _updates(3, global_arrays))
+    auditor.close()
+    assert len(calls) == 3
 
 
 class DigestAttacker(CountingAttacker):

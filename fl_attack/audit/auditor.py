@@ -25,7 +25,7 @@ from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDIC
 
 from .fallback import build_fallback
 from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, global_parameters, select_layer
-from .memory import return_large_allocations
+from .memory import release_freed_memory
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
 from .prepare import GlobalLayer, finite_layer, prepare_unit
@@ -155,9 +155,6 @@ class Auditor:
             raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
-        if workers > 0:
-            # queued updates are freed in the order attacks finish: give their pages back
-            return_large_allocations()
         self.attacker = attacker
         self.fallback = build_fallback(fallback, seed=seed, time_budget=time_budget)
         self.isolation, self.priority = isolation, priority
@@ -293,6 +290,9 @@ class Auditor:
                 None,
             )
         self.fallback.run(self, prepared, self._keep(record))
+        del prepared, record
+        # queued updates are freed in the order attacks finish: give their pages back
+        release_freed_memory()
 
     def _dropped_job(self, prepared: Prepared, queued_at: float) -> None:
         assert self.layer is not None

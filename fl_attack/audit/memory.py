@@ -2,53 +2,50 @@
 
 glibc serves a large allocation from ``mmap`` and returns it to the system when it is freed,
 but after the first such free it raises that threshold (up to 32 MiB) and serves later ones
-from its heaps, which it can only shrink from the top. The server frees one float32 layer
-update (2.4 MiB at m = 200 on CIFAR-10) per finished attack, in whatever order the attacks
-finish, so those heaps keep hundreds of MiB that no array uses any more. A fixed threshold
-keeps every array of at least :data:`LARGE_ALLOCATION_BYTES` on ``mmap``.
+from its heaps. The server frees one layer update per finished attack (2.4 MiB float32 as
+sent, 4.9 MiB float64 while attacked, at m = 200 on CIFAR-10), in whatever order the attacks
+finish, so those heaps keep hundreds of MiB that no array uses any more.
+
+After each finished attack, :func:`release_freed_memory` asks glibc (``malloc_trim``) to give
+every whole free page of its heaps back. An earlier version fixed the mmap threshold at 1 MiB
+instead; that made every large array of the server process (each decoded reply, each
+aggregation temporary) a fresh ``mmap`` with its page faults, and cost the default app's
+rounds 13% (0.61 s against 0.54 s with the attacks switched off, 10 clients, 2 cores).
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
+from typing import Any
 
-logger = logging.getLogger(__name__)
-
-#: Allocations of at least this many bytes get pages of their own, returned when freed.
-LARGE_ALLOCATION_BYTES = 1 << 20
-
-#: ``M_MMAP_THRESHOLD`` of glibc's ``mallopt`` (malloc.h).
-_M_MMAP_THRESHOLD = -3
-
-_state: dict[str, bool] = {}
+_libc: dict[str, Any] = {}
 
 
-def return_large_allocations() -> bool:
-    """Fix glibc's mmap threshold at :data:`LARGE_ALLOCATION_BYTES` for this process (once).
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None where the C library is not glibc."""
+    if "trim" not in _libc:
+        trim = None
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None)
+                libc.gnu_get_libc_version  # noqa: B018 - only glibc has it (musl does not)
+                trim = libc.malloc_trim
+                trim.argtypes = [ctypes.c_size_t]
+                trim.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                trim = None
+        _libc["trim"] = trim
+    return _libc["trim"]
+
+
+def release_freed_memory() -> bool:
+    """Return the free pages of this process's C heaps to the operating system.
 
     Returns
     -------
     bool
-        Whether the threshold is set; False where the C library is not glibc (nothing changes).
+        Whether glibc released any memory; False where the C library is not glibc.
     """
-    if "done" not in _state:
-        _state["done"] = _set_threshold()
-    return _state["done"]
-
-
-def _set_threshold() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it (musl does not)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    done = bool(mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES))
-    logger.debug("glibc mmap threshold fixed at %d bytes: %s", LARGE_ALLOCATION_BYTES, done)
-    return done
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
