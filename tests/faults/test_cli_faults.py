@@ -193,7 +193,9 @@ def test_sigterm_while_ray_starts_stops_everything_within_seconds(audit: Start) 
     process, marker, run = audit(SMALL_LIMIT)
     _wait_for(process, marker, "gcs_server", seconds=150)
     time.sleep(1.0)
-    _assert_stopped_cleanly(process, marker, run, within=20)
+    # usually 7-8 s; once (a full CI run) 31.5 s: a SIGTERM that lands while ray.init waits for
+    # its raylet is served only when that wait gives up (30 s), which must still end the run
+    _assert_stopped_cleanly(process, marker, run, within=45)
 
 
 def test_sigterm_while_clients_train_and_workers_attack_stops_everything(audit: Start) -> None:
