@@ -93,13 +93,7 @@ def test_every_missing_sample_is_proposed(missing: int) -> None:
     batch, width = 10, 40
     inputs = pixel_like_batch(11, batch=batch, features=200)
     update = relu_layer_update(inputs, width=width, seed=11)
-    observed = ObservedUpdate.from_arrays(
-        update.weight_grad,
-        update.bias_grad,
-        weight=update.weight,
-        bias=update.bias,
-        device=torch.device("cpu"),
-    )
+    observed = ObservedUpdate.from_arrays(**update.arrays(), device=torch.device("cpu"))
     factors = decompose(observed.weight_grad, batch_size=batch)
     tolerance = ZeroTolerance.from_noise(1e-12, width=width)
     side = InputSide.from_factors(factors, relative_noise=1e-12, relative_zero=1e-8)
