@@ -16,6 +16,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ from .process_guard import (
     terminate_until_quiet,
 )
 from .run_control import RunControl
+from .stuck_stop import stuck_stop_watchdog
 
 #: The ClientApp factory of this project's app, named like pyproject's components (the server
 #: side never imports the client package).
@@ -57,6 +59,8 @@ STORE_GRACE, THREAD_GRACE, PROCESS_GRACE, LAST_PROCESS_GRACE = 5.0, 1.0, 1.0, 0.
 #: Processes are swept until none appeared for QUIET seconds (LAST_QUIET just before the
 #: command leaves), SWEEP_LIMIT seconds at most.
 QUIET, LAST_QUIET, SWEEP_LIMIT = 0.5, 0.2, 5.0
+#: Seconds a thread that did not win the stop waits for the one that did to end the process.
+STOP_OWNER_WAIT = 60.0
 
 
 def _load_attribute(reference: str) -> Any:
@@ -192,7 +196,10 @@ def run_audit_simulation(
             cpus,
         )
     except BaseException:
-        stop_run(control, spared=spared)
+        if control.claim_stop():
+            stop_run(control, spared=spared)
+        else:  # the stop watchdog serves it and ends the process
+            threading.Event().wait(STOP_OWNER_WAIT)
         raise
     finally:
         flower_logger.removeFilter(quiet)
@@ -213,6 +220,24 @@ def stop_run(control: RunControl, *, spared: set[int]) -> None:
         control.request_stop(store_timeout=STORE_GRACE)
         join_threads(timeout=THREAD_GRACE)
         terminate_until_quiet(spared=spared, grace=PROCESS_GRACE, quiet=QUIET, limit=SWEEP_LIMIT)
+
+
+def serve_stuck_stop(signum: int, control: RunControl) -> None:
+    """Stop the run from the stop watchdog and end the process with ``128 + signum``.
+
+    Called when the main thread did not take up a stop signal in time (stuck in native code,
+    e.g. ``ray.init`` waiting for its raylet); returns at once when the main thread serves it.
+    """
+    if not control.claim_stop():
+        return
+    try:
+        stop_run(control, spared=set())
+        print(f"fl-attack-audit: {stop_text(signum, control)}", file=sys.stderr)
+        terminate_until_quiet(spared=set(), grace=LAST_PROCESS_GRACE, quiet=LAST_QUIET, limit=SWEEP_LIMIT)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(SIGNAL_EXIT_BASE + signum)
 
 
 def failure_text(error: BaseException) -> str:
@@ -319,13 +344,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SETTINGS
     control = RunControl()
     try:
-        with stop_signals():
+        with stop_signals(), stuck_stop_watchdog(lambda signum: serve_stuck_stop(signum, control)):
             output = run_audit_simulation(
                 overrides, num_supernodes=args.num_supernodes, cpus=args.cpus, control=control
             )
     except BaseException as error:  # a stop signal is turned into an exit code here
         signum = stopping_signal(error)
         if signum is not None:
+            if not control.claim_stop():
+                threading.Event().wait(STOP_OWNER_WAIT)  # the stop watchdog ends the process
             print(f"fl-attack-audit: {stop_text(signum, control)}", file=sys.stderr)
             return SIGNAL_EXIT_BASE + signum
         if isinstance(error, ValueError):

@@ -44,6 +44,20 @@ class RunControl:
 
     stop: threading.Event = field(default_factory=threading.Event)
     stores: list[ReconstructionStore] = field(default_factory=list)
+    _claim: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _claimed_by: int | None = field(default=None, repr=False)
+
+    def claim_stop(self) -> bool:
+        """Whether the calling thread serves the run's stop: the first caller does, and may ask again.
+
+        The main thread normally serves a stop signal; a watchdog thread does when the main
+        thread is stuck in native code (:mod:`strategies.stuck_stop`). Exactly one of them
+        stops the run and reports it.
+        """
+        with self._claim:
+            if self._claimed_by is None:
+                self._claimed_by = threading.get_ident()
+            return self._claimed_by == threading.get_ident()
 
     def register(self, store: ReconstructionStore) -> None:
         """Remember a store of the run; a store registered after a stop is closed at once."""

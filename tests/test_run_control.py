@@ -17,6 +17,7 @@ import strategies.cli as cli
 import strategies.process_guard as guard
 from fl_attack.results.store import AttackRecord, ReconstructionStore, StoreClosedError
 from strategies.run_control import AuditStopped, RunControl, StoppableGrid
+from strategies.stuck_stop import stuck_stop_watchdog
 
 
 class _RepliesLater:
@@ -193,3 +194,55 @@ def test_the_stop_line_says_what_the_stores_hold(tmp_path: Path) -> None:
     assert cli.stop_text(signal.SIGTERM, RunControl(stores=[finished])) == (
         "stopped by SIGTERM: Ray and the attack workers were stopped, the run had finished and written its results"
     )
+
+
+def test_the_stop_watchdog_calls_back_when_nobody_took_up_the_signal() -> None:
+    calls: list[tuple[int, float]] = []
+    called = threading.Event()
+
+    def when_stuck(signum: int) -> None:
+        calls.append((signum, time.monotonic()))
+        called.set()
+
+    before_handler = signal.signal(signal.SIGTERM, lambda *_: None)  # caught, then nothing happens
+    try:
+        with stuck_stop_watchdog(when_stuck, grace=0.3):
+            sent = time.monotonic()
+            signal.raise_signal(signal.SIGTERM)
+            assert called.wait(5.0)
+        assert signal.set_wakeup_fd(-1) == -1  # the wakeup pipe was taken back
+    finally:
+        signal.signal(signal.SIGTERM, before_handler)
+    assert [signum for signum, _ in calls] == [signal.SIGTERM]
+    assert calls[0][1] - sent >= 0.3
+
+
+def test_the_stop_watchdog_stays_quiet_when_the_block_is_left_within_the_grace() -> None:
+    calls: list[int] = []
+    before_handler = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        began = time.monotonic()
+        with stuck_stop_watchdog(calls.append, grace=2.0):
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.1)
+        left = time.monotonic() - began
+        time.sleep(0.3)
+    finally:
+        signal.signal(signal.SIGINT, before_handler)
+    assert calls == [] and left < 1.5  # leaving does not wait out the grace
+
+
+def test_the_stop_watchdog_refuses_a_negative_grace() -> None:
+    with pytest.raises(ValueError, match="grace must be non-negative seconds, got -1"):
+        with stuck_stop_watchdog(lambda _: None, grace=-1.0):
+            pass
+
+
+def test_exactly_one_thread_claims_the_stop() -> None:
+    control = RunControl()
+    others: list[bool] = []
+    assert control.claim_stop() and control.claim_stop()  # the winner may ask again
+    thread = threading.Thread(target=lambda: others.append(control.claim_stop()))
+    thread.start()
+    thread.join()
+    assert others == [False]
