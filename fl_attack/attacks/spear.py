@@ -22,7 +22,8 @@ from fl_attack.pipeline.candidates import (
 )
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, noise_std
-from fl_attack.pipeline.drift import drift_self_check, interleave_drift_rounds, polish_for, scorer_for
+from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
+from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.input_side import InputSideSlot, interleave_input_side
 from fl_attack.pipeline.missing_samples import missing_direction_proposals
