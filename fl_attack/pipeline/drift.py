@@ -61,6 +61,9 @@ DEEP_INACTIVE = 0.5
 #: of it (2-3 per batch at lr 0.01), which the zero tolerance alone would count as zeros.
 HARD_ZERO_FRACTION = 0.1
 
+#: Least-squares re-fits of :func:`drift_polish`.
+POLISH_ROUNDS = 3
+
 
 @dataclass(frozen=True)
 class DriftViolations:
@@ -167,25 +170,27 @@ def drift_polish(scorer: DriftMatchingScorer, selection: Selection) -> Selection
     A direction rounded from a few rows is exact only to ~1e-5 rad, so a true column's tiny
     non-zero entries (1e-5 of its norm on a neuron that stayed active but barely mattered) can
     fall under the zero tolerance; on a neuron active at ``W_0`` such a zero is impossible and
-    is left out of the least-squares fit. Kept only when no direction moves by more than
-    ``1 - MIN_COS`` and no sample gains a hard violation; otherwise ``selection`` is returned.
+    is left out of the least-squares fit. Repeated ``POLISH_ROUNDS`` times, as the zeros and
+    the inputs follow the re-fitted directions (a slight mixture of two look-alike samples
+    converges to one of them). Kept only when no direction moves by more than ``1 - MIN_COS``
+    and no sample gains a hard violation; otherwise ``selection`` is returned.
     """
     if not selection.complete:
         return selection
-    _, q_inv = scorer.score(selection.directions)
     unit = selection.directions / selection.directions.norm(dim=1, keepdim=True)
-    left = scorer.factors.left
-    zero = (left @ unit.T).abs() <= scorer.tolerance.thresholds(unit)[None, :]
-    rows = zero & (scorer.start_pre_activations(q_inv) <= 0)  # (m, b)
-    b = unit.shape[0]
-    if bool((rows.sum(dim=0) < b - 1).any()):
+    left, b = scorer.factors.left, unit.shape[0]
+    directions = unit
+    for _ in range(POLISH_ROUNDS):
+        _, q_inv = scorer.score(directions)
+        zero = (left @ directions.T).abs() <= scorer.tolerance.thresholds(directions)[None, :]
+        rows = zero & (scorer.start_pre_activations(q_inv) <= 0)  # (m, b)
+        if bool((rows.sum(dim=0) < b - 1).any()):
+            return selection
+        gram = torch.einsum("mk,mi,mj->kij", rows.to(left.dtype), left, left)
+        refitted = torch.linalg.eigh(gram).eigenvectors[:, :, 0]
+        directions = refitted * torch.sign((refitted * directions).sum(dim=1))[:, None]
+    if bool(((directions * unit).sum(dim=1) < MIN_COS).any()):
         return selection
-    gram = torch.einsum("mk,mi,mj->kij", rows.to(left.dtype), left, left)
-    refitted = torch.linalg.eigh(gram).eigenvectors[:, :, 0]
-    cos = (refitted * unit).sum(dim=1)
-    if bool((cos.abs() < MIN_COS).any()):
-        return selection
-    directions = refitted * torch.sign(cos)[:, None]
     before, after = scorer.violations(selection.directions), scorer.violations(directions)
     if bool((after.hard > before.hard).any()):
         return selection
