@@ -195,6 +195,7 @@ OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
     "spear_time_budget": _optional(_SECONDS),
     "hard_limit_slack": _NONNEGATIVE,
     "known_batch_size": _boolean,
+    "known_local_steps": _boolean,
     "warm_up": _boolean,
     "dataset": str.strip,
     "data_root": _optional(str.strip),

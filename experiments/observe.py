@@ -64,6 +64,9 @@ class Observation:
     facts: Facts = field(default_factory=dict)
     gradients: dict[str, torch.Tensor] | None = None
     """Every parameter's gradient (section ``full``), for the Inverting Gradients baseline."""
+    local_steps: int = 1
+    """Full-batch local steps of a FedAvg update ``W_E - W_0`` (1 otherwise), which the server
+    configured and may give the attack (option ``known_local_steps``)."""
 
 
 def draw_trial(data: Data, setting: Setting, *, index: int, seed: int) -> Trial:
@@ -166,7 +169,9 @@ def _fedavg(setting: Setting, trial: Trial, data: Data) -> Observation:
         trial.model, trial.inputs, trial.labels, **local, seed=trial.seed
     )
     facts = {"local_steps": float(epochs * math.ceil(b / mini_batch))}
-    return Observation(first_layer_update(trial.model, weight_delta, bias_delta), trial.reference, facts)
+    update = first_layer_update(trial.model, weight_delta, bias_delta)
+    full_batch_steps = epochs if mini_batch >= b else 1  # mini-batches: each sample's first step is later
+    return Observation(update, trial.reference, facts, local_steps=full_batch_steps)
 
 
 def _secagg(setting: Setting, trial: Trial, data: Data) -> Observation:

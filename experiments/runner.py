@@ -26,6 +26,7 @@ from experiments.output import ResultsWriter, dataset_missing
 from experiments.scoring import Outcome, client_recovery, metric_fields, score, summarize
 from experiments.tables import published
 from fl_attack import InvertingGradients, get_attack
+from fl_attack.attacks.spear import GradientInversionAttack
 from fl_attack.data.images import ImageData, load_dataset
 from fl_attack.data.tabular import load_adult
 from fl_attack.reconstruction import Reconstruction
@@ -82,13 +83,19 @@ def invert(
     """Run one method on one observation within its budget and hard limit (raises what the attack raises)."""
     spec, update, budget = METHODS[method], observation.update, budget_of(method, options)
     known = int(trial.inputs.shape[0]) if options["known_batch_size"] else None  # as a FedAvg server
+    steps = observation.local_steps if options["known_local_steps"] else 1
     with hard_time_limit(None if budget is None else 2 * budget + float(options["hard_limit_slack"])):
         if spec.attack != "inverting-gradients":
             attack = get_attack(
                 spec.attack, seed=trial.seed, time_budget=budget, progress=False, **spec.options
             )
             gradients = (update.weight_grad, update.bias_grad)
-            return attack.invert(*gradients, weight=update.weight, bias=update.bias, batch_size=known)
+            weight, bias = update.weight, update.bias
+            if steps > 1 and isinstance(attack, GradientInversionAttack):  # FedAvg's drift (SPEAR, SPEAR++)
+                return attack.invert(
+                    *gradients, weight=weight, bias=bias, batch_size=known, local_steps=steps
+                )
+            return attack.invert(*gradients, weight=weight, bias=bias, batch_size=known)
         if observation.gradients is None or not isinstance(data, ImageData):
             raise ValueError(f"{method} needs every parameter's gradient of an image batch (section 'full')")
         tv_weight = options["ig_tv_weight"] if spec.options["tv"] else 0.0

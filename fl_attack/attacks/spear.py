@@ -22,12 +22,13 @@ from fl_attack.pipeline.candidates import (
 )
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, noise_std
+from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
+from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.input_side import InputSideSlot, interleave_input_side
 from fl_attack.pipeline.missing_samples import missing_direction_proposals
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.out_of_time import decompose_in_time
-from fl_attack.pipeline.polish import polish
 from fl_attack.pipeline.precision import precision_stats
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
 from fl_attack.pipeline.self_check import self_check
@@ -79,6 +80,7 @@ class SearchState:
     head: HeadPrior | None = None
     incumbent: torch.Tensor | None = None  # the best complete selection's directions so far
     input_side: InputSideSlot | None = None  # set by the input-side rounds where they run
+    latest: Selection | None = None  # the best selection so far (read by the drift rounds)
 
 
 class GradientInversionAttack(ABC):
@@ -162,6 +164,7 @@ class GradientInversionAttack(ABC):
         time_budget: float | None = None,
         noise_level: float | None = None,
         head_weight: ArrayLike | None = None,
+        local_steps: int = 1,
     ) -> Reconstruction:
         """Recover the inputs of the batch that produced a first-layer update.
 
@@ -184,6 +187,9 @@ class GradientInversionAttack(ABC):
             ``(c, m)`` global weight of the output layer fed directly by this layer's ReLU: adds
             proposals guided by its classes (:mod:`fl_attack.pipeline.head_structure`) under the
             same deadline, filters, selection and self-check; one that does not fit costs time only.
+        local_steps
+            Full-batch local SGD steps (FedAvg) if known: above 1 the update must be ``W_E - W_0``
+            itself, matched against both ends (:mod:`fl_attack.pipeline.drift`).
 
         Returns
         -------
@@ -227,6 +233,7 @@ class GradientInversionAttack(ABC):
             "noise_std": entry_noise,
             "rounding_floor": floor,
             "device": str(device),
+            "local_steps": local_steps,
         }
         weakest = float(factors.singular_values[b - 1])
         if floor > 0:
@@ -237,7 +244,7 @@ class GradientInversionAttack(ABC):
             stats["rank_noise_ratio"] = weakest / (
                 entry_noise * (math.sqrt(max(m - b, 1)) + math.sqrt(max(n - b, 1)))
             )
-        scorer = SparsityMatchingScorer(update, factors, tolerance)
+        scorer = scorer_for(update, factors, tolerance, local_steps=local_steps, noisy=noisy)
         search_factors, active = informative_rows(factors, tolerance)
         stats["informative_rows"] = int(active.sum())
         if active.sum() < b:
@@ -278,7 +285,7 @@ class GradientInversionAttack(ABC):
             head=prior,
         )
         selection = self._run(state, scorer)
-        accepted = self._accepted(selection)
+        accepted = self._accepted(selection, scorer)
         if not accepted and stats.get("stopped_by") != "no_improvement" and expired(state.deadline):
             stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(
@@ -300,6 +307,7 @@ class GradientInversionAttack(ABC):
             found=selection.found,
             pre_activation_basis=scorer.pre_activation_basis,
         )
+        check = drift_self_check(check, scorer=scorer, selection=selection, stats=stats)
         stats.update(check.stats())
         if not noisy and selection.complete:
             stats.update(precision_stats(scorer, selection))
@@ -338,6 +346,7 @@ class GradientInversionAttack(ABC):
         try:
             single = iter([torch.ones(1, 1, dtype=torch.float64, device=state.factors.left.device)])
             proposals_iter = interleave_input_side(self._proposals(state), state, scorer) if b > 1 else single
+            proposals_iter = interleave_drift_rounds(proposals_iter, state, scorer)
             if state.head is not None and b > 1:
                 head = HeadRounds.for_pool(
                     state.pool,
@@ -362,16 +371,17 @@ class GradientInversionAttack(ABC):
                 if len(state.pool) >= 1:
                     state.incumbent = best.directions if best is not None and best.complete else None
                     candidate = self._select_and_split(state, scorer)
-                    if best is None or self._accepted(candidate) or _better(candidate, best):
+                    if best is None or self._accepted(candidate, scorer) or _better(candidate, best):
                         improved = best is None or candidate.sparsity_matching > best.sparsity_matching + 1e-3
                         best = candidate
+                        state.latest = best
                         stale = 0 if improved else stale + 1
                     else:
                         stale += 1
                     bar.n = int(best.found.sum())
                     bar.set_postfix(candidates=len(state.pool), matching=f"{best.sparsity_matching:.4f}")
                     bar.refresh()
-                    if self._accepted(best):
+                    if self._accepted(best, scorer):
                         break
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
@@ -391,7 +401,7 @@ class GradientInversionAttack(ABC):
             # pruning is worth a little time past the deadline: a wrong row spoils every sample
             best = prune_doubtful(scorer, best, deadline=state.finish_by)
             state.stats["pruned"] = found - int(best.found.sum())
-        return best if state.noisy else polish(scorer, best)
+        return best if state.noisy else polish_for(scorer, best)
 
     @staticmethod
     def _finishing_seconds(update: ObservedUpdate, b: int, budget: float) -> float:
@@ -412,8 +422,8 @@ class GradientInversionAttack(ABC):
             return stale >= self.patience
         return stale >= 2 * self.patience and float(best.per_sample.min()) >= SETTLED_MATCHING
 
-    def _accepted(self, selection: Selection) -> bool:
-        return selection.complete and float(selection.per_sample.min()) >= self.accept_matching
+    def _accepted(self, selection: Selection, scorer: SparsityMatchingScorer) -> bool:
+        return scorer.accepts(selection, accept_matching=self.accept_matching)
 
     def _select_and_split(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection:
         """Select; while not accepted, split remembered mixtures into new directions and retry."""
@@ -422,7 +432,7 @@ class GradientInversionAttack(ABC):
         if state.noisy:
             return selection
         for _ in range(self.split_rounds):
-            if self._accepted(selection) or expired(state.deadline):
+            if self._accepted(selection, scorer) or expired(state.deadline):
                 break
             unselected = rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]

@@ -9,4 +9,8 @@
    :mod:`~fl_attack.pipeline.input_side` adds directions from sparse non-negative inputs.
 3. :mod:`~fl_attack.pipeline.select`: b directions that explain the update, pruned under noise,
    and the scale that turns them into the layer's inputs.
+
+Given a FedAvg update's full-batch local steps, :mod:`~fl_attack.pipeline.drift` matches, polishes
+and self-checks against the ReLU patterns at both ends of the local training, and
+:mod:`~fl_attack.pipeline.drift_proposals` proposes the samples whose patterns drifted most.
 """

@@ -107,12 +107,20 @@ class SparsityMatchingScorer:
         q_inv = unit_inv / safe_scales.unsqueeze(-1)  # rows of U^{-1} divided by s_i
         columns = self.factors.left @ unit.transpose(-1, -2)  # unit gradient columns (..., m, b)
         is_zero = columns.abs() <= self.tolerance.thresholds(unit).unsqueeze(-2)
-        pre_activation = self.pre_activation_basis @ q_inv.transpose(-1, -2) + self.update.bias[:, None]
-        agree = (pre_activation <= 0) == is_zero
+        agree = self.inactive(q_inv) == is_zero
         per_sample = agree.to(directions.dtype).mean(dim=-2)
         bad = singular | ~finite
         per_sample = torch.where(bad.unsqueeze(-1), torch.full_like(per_sample, -1.0), per_sample)
         return per_sample, q_inv
+
+    def inactive(self, q_inv: torch.Tensor) -> torch.Tensor:
+        """``(..., m, b)``: the neurons each sample's gradient column must vanish on, given the
+        inverse scaled ``Q`` of ``(..., b, b)`` sets: those its input leaves inactive."""
+        return (self.pre_activation_basis @ q_inv.transpose(-1, -2) + self.update.bias[:, None]) <= 0
+
+    def accepts(self, selection: Selection, *, accept_matching: float) -> bool:
+        """Whether ``selection`` is accepted as exact: complete, each sample matching ``accept_matching``."""
+        return selection.complete and float(selection.per_sample.min()) >= accept_matching
 
     def inputs(self, directions: torch.Tensor) -> torch.Tensor:
         """``X^T = Q^{-1} R`` for one set of b directions."""
