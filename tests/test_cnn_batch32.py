@@ -1,7 +1,7 @@
-"""The next-layer route recovers fc1's inputs of a real batch of 32 (``next_layer_route.py``).
+"""The next-layer route recovers fc1's inputs of a real batch of 32 (``fl_attack.attacks.next_layer``).
 
 The quickstart CNN takes one float32 SGD step at lr 0.1 on 32 bundled photo patches (seed 0);
-one deterministic round of 100 starts recovers samples that plain SPEAR++ does not reach.
+one seeded round of 100 starts recovers samples exactly that plain SPEAR++ does not reach.
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ import torch
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart_cnn"
 sys.path.insert(0, str(EXAMPLE))
 
-from next_layer_route import complement, exact_from_zeros, observe, search  # noqa: E402
+from next_layer_route import observe  # noqa: E402
 
+from fl_attack.attacks.next_layer import (  # noqa: E402
+    NextLayerObservation,
+    complement,
+    exact_from_zeros,
+    recover_from_next_layer,
+)
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR  # noqa: E402
 
 
@@ -30,17 +36,21 @@ def _errors(recovered: np.ndarray, truth: np.ndarray) -> np.ndarray:
 def test_one_round_recovers_real_batch_32_samples_exactly() -> None:
     torch.set_num_threads(1)
     observed, truth = observe(32, 0, 0.1)
-    result = search(observed, batch_size=32, budget=math.inf, starts=100, seed=0, max_rounds=1)
-    nearest = [int(_errors(sample.exact, truth).argmin()) for sample in result.samples]
-    errors = [float(_errors(sample.exact, truth).min()) for sample in result.samples]
+    result = recover_from_next_layer(
+        observed, batch_size=32, time_budget=math.inf, starts=100, seed=0, max_rounds=1
+    )
+    assert result.rounds == 1
+    nearest = [int(_errors(x, truth).argmin()) for x in result.inputs]
+    errors = np.array([float(_errors(x, truth).min()) for x in result.inputs])
     exact = {index for index, error in zip(nearest, errors, strict=True) if error < EXACT_RELATIVE_ERROR}
     assert len(exact) >= 3
     assert len(set(nearest)) == len(nearest)  # no sample reported twice
     # every accepted pattern is a real sample's: the approximate input is within 1% of one
     assert all(float(_errors(s.approximate, truth).min()) < 1e-2 for s in result.samples)
+    assert (errors[result.verified] < 1e-3).all()
 
 
-def test_exact_from_zeros_recovers_scaled_input_from_its_zeros() -> None:
+def test_exact_from_zeros_recovers_the_scaled_input_from_its_zeros() -> None:
     rng = np.random.default_rng(1)
     inputs = np.maximum(rng.standard_normal((4, 30)), 0.0)
     outputs = rng.standard_normal((4, 12))
@@ -61,7 +71,38 @@ def test_complement_is_orthogonal_to_the_directions() -> None:
     assert np.allclose(complement([], 2), np.eye(2))
 
 
-def test_search_rejects_a_non_positive_budget() -> None:
-    observed, _ = observe(4, 0, 0.1)
+def _observation(width: int = 6, inputs: int = 5, next_width: int = 4) -> NextLayerObservation:
+    rng = np.random.default_rng(0)
+    return NextLayerObservation(
+        weight=rng.standard_normal((width, inputs)),
+        bias=rng.standard_normal(width),
+        weight_update=rng.standard_normal((width, inputs)),
+        bias_update=rng.standard_normal(width),
+        next_weight_update=rng.standard_normal((next_width, width)),
+    )
+
+
+def test_bad_arguments_are_named() -> None:
+    observed = _observation()
     with pytest.raises(ValueError, match="must be positive"):
-        search(observed, batch_size=4, budget=0.0, starts=10, seed=0)
+        recover_from_next_layer(observed, batch_size=2, time_budget=0.0)
+    with pytest.raises(ValueError, match=r"batch_size must be in \[1, 5\]"):
+        recover_from_next_layer(observed, batch_size=6, time_budget=1.0)
+    with pytest.raises(ValueError, match="batch_size 4 is not below the next layer's 4 outputs"):
+        recover_from_next_layer(observed, batch_size=4, time_budget=1.0)
+    with pytest.raises(ValueError, match=r"next_weight_update has shape \(4, 5\), expected \(k, 6\)"):
+        NextLayerObservation(
+            weight=observed.weight,
+            bias=observed.bias,
+            weight_update=observed.weight_update,
+            bias_update=observed.bias_update,
+            next_weight_update=np.zeros((4, 5)),
+        )
+    with pytest.raises(ValueError, match="bias_update contains NaN"):
+        NextLayerObservation(
+            weight=observed.weight,
+            bias=observed.bias,
+            weight_update=observed.weight_update,
+            bias_update=np.full(6, np.nan),
+            next_weight_update=observed.next_weight_update,
+        )
