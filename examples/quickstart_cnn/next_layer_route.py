@@ -109,6 +109,9 @@ def main() -> None:
     )
     parser.add_argument("--batch-sizes", default="32")
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="trials use seeds first-seed, first-seed + 1, ..."
+    )
     parser.add_argument("--lr", type=float, default=0.1, help="the client's SGD learning rate")
     parser.add_argument("--time-budget", type=float, default=60.0, help="seconds of search per batch")
     parser.add_argument("--starts", type=int, default=100, help="random starts per round")
@@ -120,7 +123,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for batch_size in (int(item) for item in args.batch_sizes.split(",")):
         rows = []
-        for seed in range(args.trials):
+        for seed in range(args.first_seed, args.first_seed + args.trials):
             observed, truth = observe(batch_size, seed, args.lr)
             result = recover_from_next_layer(
                 observed,

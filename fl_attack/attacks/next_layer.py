@@ -42,6 +42,9 @@ __all__ = ["NextLayerObservation", "NextLayerResult", "RecoveredSample", "recove
 
 #: Pattern-iteration results with a relative residual outside ``U2`` above this are dropped.
 MAX_RESIDUAL = 3e-3
+#: Looser bound in the deflated space, before the polish in the whole row space (deflating by
+#: noisy directions moves the other samples out of the deflated space by up to a few percent).
+MAX_DEFLATED_RESIDUAL = 3e-2
 #: The inactive rows of ``L`` must share a kernel this clean (relative singular value).
 MAX_PATTERN_KERNEL = 1e-3
 #: Only directions whose kernel is this clean deflate the search space.
@@ -326,10 +329,10 @@ def recover_from_next_layer(
             if time.perf_counter() - started > time_budget:
                 break
             solved, residual = pattern_iteration(point, inputs_map, observed.bias, outside)
-            if residual > MAX_RESIDUAL:
+            if residual > MAX_DEFLATED_RESIDUAL:
                 continue
-            # deflating by noisy directions moves the other samples slightly out of the reduced
-            # space: polish in the whole row space
+            # deflating by noisy directions moves the other samples out of the deflated space:
+            # polish in the whole row space
             solved, residual = pattern_iteration(reduced @ solved, full_map, observed.bias, outside)
             inactive = full_map @ solved + observed.bias <= 0
             if residual > MAX_RESIDUAL or inactive.sum() < batch_size:
