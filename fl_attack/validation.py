@@ -42,6 +42,19 @@ def check_batch_size(value: Any, *, name: str = "batch_size") -> int | None:
     return value
 
 
+def check_local_steps(value: Any, *, name: str = "local_steps") -> int:
+    """An integer >= 1 (a float or a bool is refused).
+
+    Raises
+    ------
+    ValueError
+        On anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """Map ``"auto"`` to CUDA when available and CPU otherwise; refuse devices this machine lacks.
 

@@ -13,18 +13,40 @@ from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.store import ReconstructionStore
 from fl_attack.simulate.secagg import FLOWER_DEFAULTS
 
-from .run_config import attack_timeout, parse_partitions, resolve_audit_config
+from .run_config import RunConfigError, attack_timeout, parse_partitions, resolve_audit_config
 
 
 def build_attacker(config: Mapping[str, UserConfigValue]) -> Attacker:
-    """The registered attack ``attack-name`` (default SPEAR++) on ``attack-device``."""
-    return get_attack(
-        str(config["attack-name"]),
+    """The registered attack ``attack-name`` (default SPEAR++) on ``attack-device``.
+
+    ``attack-local-steps`` above 1 is given to the attack (SPEAR and SPEAR++ take it); it needs
+    each attacked update to be one client's (``secagg-group-size = 1``).
+    """
+    options: dict[str, Any] = {}
+    local_steps = int(config["attack-local-steps"])
+    if local_steps > 1:
+        if int(config["secagg-group-size"]) > 1:
+            raise RunConfigError(
+                f"attack-local-steps={local_steps} needs one client's update per attack, but "
+                f"secagg-group-size={config['secagg-group-size']} sums several clients' updates: "
+                "set attack-local-steps=1"
+            )
+        options["local_steps"] = local_steps
+    name = str(config["attack-name"])
+    attacker = get_attack(
+        name,
         device=str(config["attack-device"]),
         seed=int(config["attack-seed"]),
         time_budget=float(config["attack-time-budget"]),
         progress=False,
+        **options,
     )
+    if getattr(attacker, "local_steps", 1) != local_steps:
+        raise RunConfigError(
+            f"attack-local-steps={local_steps}: the attack {name!r} does not take local steps "
+            "(spear and spear++ do): set attack-local-steps=1"
+        )
+    return attacker
 
 
 def build_store(config: Mapping[str, UserConfigValue]) -> ReconstructionStore:

@@ -157,6 +157,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attack-weight-key", "", "attacked layer's weight (default: first linear layer)", "audit"),
     Setting("attack-bias-key", "", "attacked layer's bias (default: derived from the weight key)", "audit"),
     Setting("attack-batch-size", 0, "batch size told to the attacker (0: estimated)", "audit", minimum=0),
+    Setting(
+        "attack-local-steps",
+        1,
+        "full-batch local SGD steps of every client, when known (FedAvg): matched at both ends",
+        "audit",
+        positive=True,
+    ),
     Setting("attack-device", "auto", "auto, cpu or cuda[:N]", "audit"),
     Setting("attack-seed", 0, "seed of the attack and of the attacked-update draw", "audit"),
     Setting("output-dir", "", "where the run is stored (default outputs/audit-<timestamp>)", "audit"),

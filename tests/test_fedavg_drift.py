@@ -121,17 +121,22 @@ def test_a_mixture_of_two_look_alike_samples_is_not_accepted(weight: float) -> N
     assert drift.accepts(selection) is restored
 
 
-def test_drift_aware_attack_recovers_the_batch_exactly() -> None:
+@pytest.mark.parametrize("given_to", ["invert", "attack"])
+def test_drift_aware_attack_recovers_the_batch_exactly(given_to: str) -> None:
+    """The step count works the same given to ``invert`` or to the attack (as the plugin's
+    ``attack-local-steps`` gives it)."""
     case = _case()
     update = case.update
+    own_steps = STEPS if given_to == "attack" else 1
+    per_call = {"local_steps": STEPS} if given_to == "invert" else {}
     start = time.perf_counter()
-    rec = SpearPlusPlus(seed=0, time_budget=15.0, progress=False).invert(
+    rec = SpearPlusPlus(seed=0, time_budget=15.0, progress=False, local_steps=own_steps).invert(
         update.weight_grad,
         update.bias_grad,
         weight=update.weight,
         bias=update.bias,
         batch_size=B,
-        local_steps=STEPS,
+        **per_call,
     )
     assert time.perf_counter() - start < 20.0
     assert rec.stats["drift_aware"] is True
@@ -167,6 +172,12 @@ def test_bad_local_steps_are_rejected(steps: object) -> None:
             batch_size=B,
             local_steps=steps,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize("steps", [0, True, 2.0])
+def test_an_attack_refuses_bad_local_steps(steps: object) -> None:
+    with pytest.raises(ValueError, match="local_steps must be an integer >= 1"):
+        SpearPlusPlus(local_steps=steps)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("mini_batch", "expected"), [(6, 3), (2, 1)])

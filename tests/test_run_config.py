@@ -73,6 +73,32 @@ def test_from_context_reads_the_run_config_and_overrides_win(tmp_path: Path) -> 
     strategy.close()
 
 
+def test_local_steps_reach_the_attack_and_are_refused_where_they_cannot_hold(tmp_path: Path) -> None:
+    strategy = HonestButCuriousStrategy.from_context(
+        FedAvg(),
+        _context({"attack-local-steps": 10}),
+        output_dir=str(tmp_path / "a"),
+        attack_isolation="thread",
+    )
+    assert getattr(strategy.auditor.attacker, "local_steps", None) == 10
+    strategy.close()
+    with pytest.raises(RunConfigError, match="secagg-group-size=4 sums several clients' updates"):
+        HonestButCuriousStrategy.from_context(
+            FedAvg(),
+            _context({"attack-local-steps": 10, "secagg-group-size": 4}),
+            output_dir=str(tmp_path / "b"),
+        )
+    with pytest.raises(RunConfigError, match="the attack 'cocktail-party' does not take local steps"):
+        HonestButCuriousStrategy.from_context(
+            FedAvg(),
+            _context({"attack-local-steps": 10}),
+            attack_name="cocktail-party",
+            output_dir=str(tmp_path),
+        )
+    with pytest.raises(RunConfigError, match="attack-local-steps"):
+        resolve_audit_config({"attack-local-steps": 0})
+
+
 def test_from_context_rejects_typos_and_wrong_strategies(tmp_path: Path) -> None:
     with pytest.raises(RunConfigError, match="did you mean 'attack-time-budget'"):
         HonestButCuriousStrategy.from_context(FedAvg(), _context(), attack_time_budgt=3.0)

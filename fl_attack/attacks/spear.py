@@ -20,7 +20,7 @@ from fl_attack.pipeline.candidates import (
     is_member,
     rows_not_in,
 )
-from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
+from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, noise_std
 from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
@@ -30,12 +30,19 @@ from fl_attack.pipeline.missing_samples import missing_direction_proposals
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.out_of_time import decompose_in_time
 from fl_attack.pipeline.precision import precision_stats
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, score_seconds, select
+from fl_attack.pipeline.select import (
+    Selection,
+    SparsityMatchingScorer,
+    better_selection,
+    finishing_seconds,
+    prune_doubtful,
+    select,
+)
 from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
-from fl_attack.validation import check_batch_size, check_time_budget
+from fl_attack.validation import check_batch_size, check_local_steps, check_time_budget
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +126,9 @@ class GradientInversionAttack(ABC):
         On noisy gradients, stop after this many rounds without a better sparsity matching.
     progress
         Show a progress bar; ``None`` shows one only when stderr is a terminal.
+    local_steps
+        Full-batch local SGD steps behind every update this attack sees, when known (FedAvg; see
+        ``invert``); 1 for FedSGD.
     """
 
     name = "attack"
@@ -136,8 +146,10 @@ class GradientInversionAttack(ABC):
         split_rounds: int = 4,
         patience: int = 3,
         progress: bool | None = None,
+        local_steps: int = 1,
     ) -> None:
         check_time_budget(time_budget)
+        check_local_steps(local_steps)
         if not 0 < false_rejection < 1:
             raise ValueError(f"false_rejection must be in (0, 1), got {false_rejection}")
         if not 0 < accept_matching <= 1:
@@ -152,6 +164,7 @@ class GradientInversionAttack(ABC):
         self.split_rounds = split_rounds
         self.patience = patience
         self.progress = progress
+        self.local_steps = local_steps
 
     def invert(
         self,
@@ -164,7 +177,7 @@ class GradientInversionAttack(ABC):
         time_budget: float | None = None,
         noise_level: float | None = None,
         head_weight: ArrayLike | None = None,
-        local_steps: int = 1,
+        local_steps: int | None = None,
     ) -> Reconstruction:
         """Recover the inputs of the batch that produced a first-layer update.
 
@@ -189,7 +202,8 @@ class GradientInversionAttack(ABC):
             same deadline, filters, selection and self-check; one that does not fit costs time only.
         local_steps
             Full-batch local SGD steps (FedAvg) if known: above 1 the update must be ``W_E - W_0``
-            itself, matched against both ends (:mod:`fl_attack.pipeline.drift`).
+            itself, matched against both ends (:mod:`fl_attack.pipeline.drift`); None: the
+            attack's own ``local_steps``.
 
         Returns
         -------
@@ -211,6 +225,7 @@ class GradientInversionAttack(ABC):
         device = resolve_device(self.device)
         update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
         budget = time_budget if time_budget is not None else self.time_budget
+        local_steps = self.local_steps if local_steps is None else local_steps
         factors = decompose_in_time(update, name=self.name, batch_size=batch_size, start=start, budget=budget)
         if isinstance(factors, Reconstruction):
             return factors  # the budget ran out in the decomposition
@@ -273,7 +288,7 @@ class GradientInversionAttack(ABC):
             factors=search_factors,
             pool=pool,
             generator=generator,
-            deadline=start + budget - self._finishing_seconds(update, b, budget)
+            deadline=start + budget - min(FINISH_FRACTION * budget, finishing_seconds(update, batch_size=b))
             if budget is not None
             else math.inf,
             stats=stats,
@@ -371,7 +386,7 @@ class GradientInversionAttack(ABC):
                 if len(state.pool) >= 1:
                     state.incumbent = best.directions if best is not None and best.complete else None
                     candidate = self._select_and_split(state, scorer)
-                    if best is None or self._accepted(candidate, scorer) or _better(candidate, best):
+                    if best is None or self._accepted(candidate, scorer) or better_selection(candidate, best):
                         improved = best is None or candidate.sparsity_matching > best.sparsity_matching + 1e-3
                         best = candidate
                         state.latest = best
@@ -402,13 +417,6 @@ class GradientInversionAttack(ABC):
             best = prune_doubtful(scorer, best, deadline=state.finish_by)
             state.stats["pruned"] = found - int(best.found.sum())
         return best if state.noisy else polish_for(scorer, best)
-
-    @staticmethod
-    def _finishing_seconds(update: ObservedUpdate, b: int, budget: float) -> float:
-        """Seconds kept for the final selection and self-check: at most ``FINISH_FRACTION`` of the budget."""
-        m, n = update.width, update.input_dim
-        estimate = 4 * score_seconds(m, b) + matmul_seconds(6.0 * b * b * (m + n)) + eigh_seconds(b)
-        return min(FINISH_FRACTION * budget, estimate)
 
     def _settled(self, state: SearchState, best: Selection, stale: int) -> bool:
         """Whether more rounds are unlikely to help a complete selection.
@@ -488,9 +496,3 @@ class GradientInversionAttack(ABC):
     @abstractmethod
     def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
         """Yield batches of ``(k, b)`` candidate directions until the budget is spent."""
-
-
-def _better(candidate: Selection, incumbent: Selection) -> bool:
-    key_c = (int(candidate.found.sum()), candidate.sparsity_matching)
-    key_i = (int(incumbent.found.sum()), incumbent.sparsity_matching)
-    return key_c > key_i

@@ -41,6 +41,7 @@ from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
 from fl_attack.pipeline.self_check import AMBIGUITY_FACTOR, PRECISION_FLOOR, RESIDUAL_NOISE_FACTOR, SelfCheck
 from fl_attack.pipeline.sparsity import ZeroTolerance
 from fl_attack.types import ObservedUpdate
+from fl_attack.validation import check_local_steps
 
 #: A column is drift-consistent when at most this fraction of the neurons its input leaves
 #: inactive at both ends are non-zero in it (active at some step in between). Measured on
@@ -224,8 +225,7 @@ def scorer_for(
     ValueError
         If ``local_steps`` is not an integer >= 1.
     """
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+    check_local_steps(local_steps)
     if local_steps > 1 and not noisy and factors.batch_size > 1:
         return DriftMatchingScorer(update, factors, tolerance)
     return SparsityMatchingScorer(update, factors, tolerance)

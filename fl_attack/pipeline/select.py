@@ -16,6 +16,7 @@ import torch
 
 from fl_attack.pipeline.deadline import (
     chunk_rows,
+    eigh_seconds,
     elementwise_seconds,
     expired,
     lstsq_seconds,
@@ -137,6 +138,19 @@ def score_seconds(width: int, size: int) -> float:
         + 2 * qr_seconds(size)
         + elementwise_seconds(4.0 * width * size)
     )
+
+
+def finishing_seconds(update: ObservedUpdate, *, batch_size: int) -> float:
+    """Estimated seconds of the final selection and self-check of ``batch_size`` directions."""
+    m, n, b = update.width, update.input_dim, batch_size
+    return 4 * score_seconds(m, b) + matmul_seconds(6.0 * b * b * (m + n)) + eigh_seconds(b)
+
+
+def better_selection(candidate: Selection, incumbent: Selection) -> bool:
+    """Whether ``candidate`` finds more samples than ``incumbent``, or as many with a higher matching."""
+    key_c = (int(candidate.found.sum()), candidate.sparsity_matching)
+    key_i = (int(incumbent.found.sum()), incumbent.sparsity_matching)
+    return key_c > key_i
 
 
 def _safe_inverse(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
