@@ -94,8 +94,8 @@ def test_all_found_without_self_check_figures() -> None:
 @pytest.mark.parametrize(
     ("found", "progress"),
     [
-        (2, "2 of 4 samples found"),
-        (4, "all 4 directions were found but not verified as the batch: the self-check against the observed "
+        (2, " with 2 of 4 samples found"),
+        (4, ": all 4 directions were found but not verified as the batch: the self-check against the observed "
             "update failed (rank 3 < 4 above the noise)"),
     ],
 )  # fmt: skip
@@ -106,7 +106,7 @@ def test_time_budget_spent(found: int, progress: str) -> None:
         **_self_check("rank 3 < 4 above the noise"),
     }
     verdict, reason = _reason(stats, signature=lambda: LOW_RANK, time_budget=30.0)
-    assert (verdict, reason) == ("timeout", f"the attack spent its whole 30 s budget with {progress}")
+    assert (verdict, reason) == ("timeout", f"the attack spent its whole 30 s budget{progress}")
 
 
 def test_all_found_on_a_noisy_update_with_a_matching_near_chance() -> None:

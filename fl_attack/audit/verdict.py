@@ -201,8 +201,12 @@ def decide_verdict(
         all_found = b > 0 and found >= b
         if attack.get("stopped_by") == "time_budget":
             spent = f"{time_budget:g} s " if time_budget else ""
-            progress = _all_found_unconfirmed(attack, b) if all_found else f"{found} of {b} samples found"
-            return Verdict(VERDICT_TIMEOUT, f"the attack spent its whole {spent}budget with {progress}")
+            progress = (
+                f": {_all_found_unconfirmed(attack, b)}"
+                if all_found
+                else f" with {found} of {b} samples found"
+            )
+            return Verdict(VERDICT_TIMEOUT, f"the attack spent its whole {spent}budget{progress}")
         if all_found:
             return Verdict(
                 VERDICT_APPROXIMATE, _all_found_unconfirmed(attack, b) + _features_note(input_space)
