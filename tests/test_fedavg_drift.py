@@ -140,7 +140,8 @@ def test_drift_aware_attack_recovers_the_batch_exactly(given_to: str) -> None:
     )
     assert time.perf_counter() - start < 20.0
     assert rec.stats["drift_aware"] is True
-    assert rec.complete and rec.self_check is not None and rec.self_check.passed
+    # exact, yet not claimed complete: drift consistency cannot rule out a blend of look-alikes
+    assert not rec.complete and rec.self_check is not None and rec.self_check.passed
     assert rec.stats["drift_consistent"] == B
     assert rec.stats["drift_hard_violations"] == rec.stats["drift_deep_violations"] == 0
     reference = case.images.reshape(B, -1).double()

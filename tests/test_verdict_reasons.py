@@ -118,3 +118,14 @@ def test_all_found_on_a_noisy_update_with_a_matching_near_chance() -> None:
         "but their ReLU patterns agree with the update at a sparsity matching of only 0.610, too close to "
         "chance for the attack to accept"
     )
+
+
+def test_a_drifted_batch_is_never_called_exact() -> None:
+    stats = {"directions_found": 4, "drift_aware": True, **_self_check()}
+    verdict, reason = _reason(stats)
+    assert verdict == "approximate"
+    assert reason == (
+        "all 4 directions were found but not verified as the batch: every direction is consistent with "
+        "both ends of the client's local steps, which one layer's update cannot tell from a blend of "
+        "look-alike samples, so exactness is not claimed"
+    )

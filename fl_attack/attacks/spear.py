@@ -327,10 +327,12 @@ class GradientInversionAttack(ABC):
         if not noisy and selection.complete:
             stats.update(precision_stats(scorer, selection))
         # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
-        # barely above chance (noisy), are not a reconstruction: never report them complete
+        # barely above chance (noisy), are not a reconstruction: never report them complete; nor
+        # drifted ones (drift consistency admitted a blend of look-alike samples once)
         claimed = selection.complete and (
             selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
+        claimed = claimed and not stats.get("drift_aware", False)
         elapsed = time.perf_counter() - start
         found, verdict = stats["directions_found"], "passed" if check.passed else "failed"
         logger.info(

@@ -242,6 +242,11 @@ def _all_found_unconfirmed(attack: Mapping[str, Any], b: int) -> str:
         return found + f"the self-check against the observed update failed{why}"
     weakest = attack.get("min_confidence")
     matching = float(attack.get("sparsity_matching", 0.0))
+    if attack.get("self_check_passed") is True and attack.get("drift_aware"):
+        return found + (
+            "every direction is consistent with both ends of the client's local steps, which one layer's "
+            "update cannot tell from a blend of look-alike samples, so exactness is not claimed"
+        )
     if attack.get("self_check_passed") is True and attack.get("noisy"):
         return found + (
             f"the self-check passed up to the noise, but their ReLU patterns agree with the update at a "
