@@ -23,7 +23,8 @@ from fl_attack.pipeline.candidates import (
 from fl_attack.pipeline.deadline import eigh_seconds, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors, noise_std
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
-from fl_attack.pipeline.input_side import InputSideSlot, interleave_input_side
+from fl_attack.pipeline.input_rounds import interleave_input_side
+from fl_attack.pipeline.input_side import InputSideSlot
 from fl_attack.pipeline.missing_samples import missing_direction_proposals
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.out_of_time import decompose_in_time
@@ -359,7 +360,8 @@ class GradientInversionAttack(ABC):
                         state.stats["stopped_by"] = "time_budget"
                         break
                     continue
-                if len(state.pool) >= 1:
+                if len(state.pool) >= 1 or (not state.noisy and state.pool.weak()[0].shape[0] > 0):
+                    # weak candidates alone (the sweep's, on deep layers' alike inputs) are worth a selection
                     state.incumbent = best.directions if best is not None and best.complete else None
                     candidate = self._select_and_split(state, scorer)
                     if best is None or self._accepted(candidate) or _better(candidate, best):

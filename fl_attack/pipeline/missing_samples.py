@@ -27,7 +27,7 @@ import torch
 
 from fl_attack.pipeline.candidates import is_member
 from fl_attack.pipeline.deadline import expired
-from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions
+from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions, live_features
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance
@@ -62,7 +62,8 @@ def missing_sample_directions(
     side
         The input side of the attack's factors (non-negative inputs).
     known
-        ``(b - d, b)`` directions believed correct, ``1 <= d < b``.
+        ``(b - d, b)`` directions believed correct, ``1 <= d <= b``: with none known (``d = b``)
+        the programmes sweep the whole cone, each steered away from the samples reached before it.
     left
         ``(m', b)`` orthonormal left factor on the informative neurons.
     pre_activation_basis
@@ -88,22 +89,24 @@ def missing_sample_directions(
     Raises
     ------
     ValueError
-        When ``known`` is not ``(k, b)`` with ``1 <= k < b``.
+        When ``known`` is not ``(k, b)`` with ``0 <= k < b``.
     """
     b = side.batch_size
-    if known.ndim != 2 or known.shape[1] != b or not 1 <= known.shape[0] < b:
-        raise ValueError(f"known must have shape (k, {b}) with 1 <= k < {b}, got {tuple(known.shape)}")
+    if known.ndim != 2 or known.shape[1] != b or not 0 <= known.shape[0] < b:
+        raise ValueError(f"known must have shape (k, {b}) with 0 <= k < {b}, got {tuple(known.shape)}")
     missing = b - known.shape[0]
     constraints = known
     proposals: list[torch.Tensor] = []
     reached = 0
-    for _ in range(missing + EXTRA_PROGRAMMES):
+    for programme in range(missing + EXTRA_PROGRAMMES):
         if reached >= missing or expired(deadline):
             break
+        if reached == 0 and programme > EXTRA_PROGRAMMES:
+            break  # no vertex so far was a sample: the cone's vertices are not the inputs
         weights = torch.rand(side.basis.shape[0], generator=generator, dtype=torch.float64).numpy()
         vertex = side.vertex(
             weights,
-            orthogonal_to=constraints.detach().cpu().numpy(),
+            orthogonal_to=constraints.detach().cpu().numpy() if constraints.shape[0] else None,
             seconds=deadline - time.perf_counter(),
         )
         if vertex is None:  # no non-negative input left: the known columns cut every sample off
@@ -155,7 +158,7 @@ def missing_direction_proposals(
     pre_activation_basis = scorer.pre_activation_basis[state.active]
     bias = scorer.update.bias[state.active]
     slot = state.input_side
-    wanted = slot is not None and 1 <= missing <= b // 2 and (slot.ready or _dead_features(state, scorer))
+    wanted = slot is not None and 1 <= missing <= b // 2 and (slot.ready or some_feature_dead(state, scorer))
     side = slot.get(state) if slot is not None and wanted else None
     if (
         slot is not None
@@ -198,15 +201,11 @@ def missing_direction_proposals(
     return proposals
 
 
-def _dead_features(state: SearchContext, scorer: SparsityMatchingScorer) -> bool:
+def some_feature_dead(state: SearchContext, scorer: SparsityMatchingScorer) -> bool:
     """Whether some input feature is zero for the whole batch (a zero column of the right factor)."""
     tolerance = state.pool.tolerance
-    side = InputSide.from_factors(
-        state.factors,
-        relative_noise=tolerance.relative_noise,
-        relative_zero=tolerance.absolute * math.sqrt(scorer.update.width),
-    )
-    return not bool(side.live.all())
+    relative_zero = tolerance.absolute * math.sqrt(scorer.update.width)
+    return not bool(live_features(state.factors, relative_zero=relative_zero).all())
 
 
 __all__ = [
@@ -215,4 +214,5 @@ __all__ = [
     "TIME_SHARE",
     "missing_direction_proposals",
     "missing_sample_directions",
+    "some_feature_dead",
 ]
