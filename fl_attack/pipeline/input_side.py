@@ -19,8 +19,9 @@ and at the sample's true scale the inactive rows of ``L`` share a kernel, ``q``
 (as :mod:`fl_attack.pipeline.last_direction` scans its lines). Those directions enter the candidate
 pool like any other proposal: the same filters, selection and self-check decide.
 
-The input side is used only where it applies (see :func:`interleave_input_side`): when the
-cone is empty (inputs of both signs) one small linear programme says so, and the search goes
+The input side is used only where it applies (see
+:func:`fl_attack.pipeline.input_rounds.interleave_input_side`, which schedules its rounds): when
+the cone is empty (inputs of both signs) one small linear programme says so, and the search goes
 on as before.
 """
 

@@ -10,7 +10,8 @@ reaches one of them, for any ``d``, where the gradient-side scans handle only ``
 vertex is turned into its gradient-side direction by the ReLU-pattern scan of
 :func:`fl_attack.pipeline.input_side.gradient_directions`, which then joins the known columns, so
 the next programme is steered to a sample not found yet: ``d`` missing samples cost about ``d``
-small programmes.
+small programmes. With no column known (``d = b``) the same programmes sweep the whole cone
+(:func:`fl_attack.pipeline.input_rounds.sweep_proposals`, before the attack's first round).
 
 Known columns that are wrong (a sparse mixture selected in a sample's place) narrow the cone to
 a space the missing samples do not span; its vertices are then dense, mixed or absent, and the
