@@ -80,7 +80,8 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
         bias=scorer.update.bias[state.active],
         tolerance=state.pool.tolerance,
         min_zeros=state.pool.weak_min_zeros,
-        generator=state.generator,
+        # its own stream: a sweep that reaches nothing leaves the attack's random rounds as they were
+        generator=torch.Generator().manual_seed(state.generator.initial_seed()),
         deadline=until,
     )
     state.stats.update(
@@ -107,7 +108,8 @@ def interleave_input_side(
     non-negative orthant anyway), when the cone is empty (inputs of both signs: one linear
     programme, given ``PROBE_FRACTION`` of the remaining time, at least ``MIN_ROUND_SECONDS``
     when some feature is zero for the whole batch; one that does not finish counts as empty),
-    or when the first round finds no vertex sparser than a generic one. The rounds stop once
+    or when the first round finds no vertex sparser than a generic one, or none whose ReLU patterns
+    have a kernel (and the sweep, if it ran, reached no sample either). The rounds stop once
     ``STALE_ROUNDS`` rounds in a row add nothing to the pool, or at the deadline.
     ``state.stats`` records ``input_side`` (``"used"`` or why not) and the vertex and proposal counts.
 
@@ -168,10 +170,16 @@ def interleave_input_side(
                     # the scans get as long again as the vertices: on wide layers they cost more
                     deadline=min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds)),
                 )
+                first_round = state.stats["input_side_vertices"] == 0
                 state.stats["input_side_vertices"] += int(refined.shape[0])
                 state.stats["input_side_proposals"] += int(candidates.shape[0])
                 yield candidates
                 stale = stale + 1 if len(state.pool) == before else 0
+                if first_round and candidates.shape[0] == 0 and not state.stats.get("input_side_sweep"):
+                    # sparse non-negative vertices without a ReLU-pattern kernel are no samples: the
+                    # inputs are not in the cone (one-hot columns beside signed ones, as in Adult)
+                    state.stats["input_side"] = "no vertex is a sample"
+                    stale = STALE_ROUNDS
         following = next(rounds, None)
         if following is None:
             return
