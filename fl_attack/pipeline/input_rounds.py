@@ -6,7 +6,7 @@ gradient-side directions; this module schedules them around the attack's sphere-
 Where some input feature is zero for the whole batch (the cheap sign of sparse non-negative
 inputs: ReLU activations of an earlier layer, pooled CNN features, pixel backgrounds), a *sweep*
 runs before the attack's first round: linear programmes, each steered away from the samples the
-ones before it reached (:func:`fl_attack.pipeline.missing_samples.missing_sample_directions`
+ones before it reached (:func:`fl_attack.pipeline.missing_samples.reach_samples`
 with no sample known), so that ``b`` samples cost about ``b`` small programmes. Deep layers need
 it: the inputs of layer 5 of SPEAR's victim are alike (mean pairwise cosine 0.8) and their
 gradient columns have a quarter of the informative neurons at zero, below SPEAR's sparsity
@@ -30,9 +30,9 @@ from fl_attack.pipeline.input_side import (
     cone_vertices,
     gradient_directions,
 )
-from fl_attack.pipeline.missing_samples import missing_sample_directions, some_feature_dead
+from fl_attack.pipeline.missing_samples import reach_samples, some_feature_dead
 from fl_attack.pipeline.select import SparsityMatchingScorer
-from fl_attack.pipeline.sparsity import deduplicate
+from fl_attack.pipeline.sparsity import deduplicate, zero_masks
 
 #: Input-side rounds stop after this many rounds in a row add no new candidate to the pool.
 STALE_ROUNDS = 3
@@ -42,15 +42,21 @@ STALE_ROUNDS = 3
 #: few programmes, and the sphere search keeps its time.
 SWEEP_SHARE = 0.25
 
+#: The sweep scans ReLU patterns with at least ``b + SWEEP_EXTRA_ZEROS`` inactive neurons (the
+#: candidate pool remembers directions from that many zeros on), and lowers the pool's weak
+#: threshold to the fewest zeros among the samples it reached, never below that.
+SWEEP_EXTRA_ZEROS = 2
+
 
 def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> torch.Tensor | None:
     """Gradient-side directions of the samples reached by a sweep of the cone, or None where it does not run.
 
     It runs where some input feature is zero for the whole batch and the input side applies
     (``state.input_side.get``); ``b`` programmes steered apart by the directions found
-    (:func:`~fl_attack.pipeline.missing_samples.missing_sample_directions`), stopped after
-    ``SWEEP_SHARE`` of the search time. ``state.stats`` records ``input_side_sweep`` (the
-    proposals) and ``input_side_sweep_seconds``.
+    (:func:`~fl_attack.pipeline.missing_samples.reach_samples`), stopped after
+    ``SWEEP_SHARE`` of the search time. The samples reached set ``state.pool.weak_min_zeros``
+    (see ``SWEEP_EXTRA_ZEROS``). ``state.stats`` records ``input_side_sweep`` (the proposals),
+    ``input_side_sweep_reached``, ``input_side_sweep_seconds`` and ``weak_min_zeros``.
 
     Parameters
     ----------
@@ -72,22 +78,31 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
         return None
     started = time.perf_counter()
     until = min(state.deadline, started + max(MIN_ROUND_SECONDS, SWEEP_SHARE * (state.deadline - started)))
-    proposals = missing_sample_directions(
+    b, pool = state.factors.batch_size, state.pool
+    proposals, reached = reach_samples(
         side,
-        state.factors.left.new_zeros(0, state.factors.batch_size),
+        state.factors.left.new_zeros(0, b),
         left=state.factors.left,
         pre_activation_basis=scorer.pre_activation_basis[state.active],
         bias=scorer.update.bias[state.active],
-        tolerance=state.pool.tolerance,
-        min_zeros=state.pool.weak_min_zeros,
+        tolerance=pool.tolerance,
+        # every pattern with more zeros than a generic kernel: the vertex already certifies the sample
+        min_zeros=b + SWEEP_EXTRA_ZEROS,
         # its own stream: a sweep that reaches nothing leaves the attack's random rounds as they were
         generator=torch.Generator().manual_seed(state.generator.initial_seed()),
         deadline=until,
     )
+    if reached.shape[0]:
+        # a sample reached on the input side, with fewer gradient zeros than the weak threshold, is
+        # still a sample (alike inputs leave some with a fifth of the informative neurons at zero)
+        fewest = int(zero_masks(state.factors, reached, pool.tolerance).sum(dim=1).min())
+        pool.weak_min_zeros = min(pool.weak_min_zeros, max(b + SWEEP_EXTRA_ZEROS, fewest))
     state.stats.update(
         input_side="used",
         input_side_sweep=int(proposals.shape[0]),
+        input_side_sweep_reached=int(reached.shape[0]),
         input_side_sweep_seconds=time.perf_counter() - started,
+        weak_min_zeros=pool.weak_min_zeros,
     )
     return proposals
 
@@ -198,4 +213,4 @@ def _timed(proposals: Iterator[torch.Tensor]) -> Iterator[tuple[float, torch.Ten
         yield time.perf_counter() - started, directions
 
 
-__all__ = ["STALE_ROUNDS", "SWEEP_SHARE", "interleave_input_side", "sweep_proposals"]
+__all__ = ["STALE_ROUNDS", "SWEEP_EXTRA_ZEROS", "SWEEP_SHARE", "interleave_input_side", "sweep_proposals"]

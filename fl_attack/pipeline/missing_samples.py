@@ -44,7 +44,7 @@ TIME_SHARE = 0.25
 MIN_SECONDS = 0.2
 
 
-def missing_sample_directions(
+def reach_samples(
     side: InputSide,
     known: torch.Tensor,
     *,
@@ -55,8 +55,8 @@ def missing_sample_directions(
     min_zeros: int,
     generator: torch.Generator,
     deadline: float = math.inf,
-) -> torch.Tensor:
-    """Gradient-side proposals for the samples missing from ``known`` directions.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient-side proposals for the samples missing from ``known`` directions, and the samples reached.
 
     Parameters
     ----------
@@ -82,10 +82,11 @@ def missing_sample_directions(
 
     Returns
     -------
-    torch.Tensor
+    tuple[torch.Tensor, torch.Tensor]
         ``(j, b)`` unit directions: for each vertex reached, the kernels of its ReLU patterns
         (smallest residual first, as :func:`~fl_attack.pipeline.input_side.gradient_directions`
-        returns them).
+        returns them); and ``(r, b)``: the first kernel of each vertex reached, the one that
+        steered the later programmes.
 
     Raises
     ------
@@ -133,9 +134,40 @@ def missing_sample_directions(
         constraints = torch.cat([constraints, directions[:1].to(constraints)], dim=0)
         if constraints.shape[0] >= b:
             break
+    reached_directions = constraints[known.shape[0] :]
     if not proposals:
-        return left.new_zeros(0, b)
-    return torch.cat(proposals, dim=0)
+        return left.new_zeros(0, b), reached_directions
+    return torch.cat(proposals, dim=0), reached_directions
+
+
+def missing_sample_directions(
+    side: InputSide,
+    known: torch.Tensor,
+    *,
+    left: torch.Tensor,
+    pre_activation_basis: torch.Tensor,
+    bias: torch.Tensor,
+    tolerance: ZeroTolerance,
+    min_zeros: int,
+    generator: torch.Generator,
+    deadline: float = math.inf,
+) -> torch.Tensor:
+    """Gradient-side proposals for the samples missing from ``known`` directions.
+
+    The proposals of :func:`reach_samples` (same parameters and errors): ``(j, b)`` unit directions.
+    """
+    proposals, _ = reach_samples(
+        side,
+        known,
+        left=left,
+        pre_activation_basis=pre_activation_basis,
+        bias=bias,
+        tolerance=tolerance,
+        min_zeros=min_zeros,
+        generator=generator,
+        deadline=deadline,
+    )
+    return proposals
 
 
 def missing_direction_proposals(
@@ -215,5 +247,6 @@ __all__ = [
     "TIME_SHARE",
     "missing_direction_proposals",
     "missing_sample_directions",
+    "reach_samples",
     "some_feature_dead",
 ]
