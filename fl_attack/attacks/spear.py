@@ -472,8 +472,7 @@ class GradientInversionAttack(ABC):
         self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
     ) -> torch.Tensor:
         """Proposals for the directions missing (or doubtful) in an otherwise good selection."""
-        candidates = torch.cat([state.pool.directions, state.pool.weak()[0]], dim=0)
-        trusted = selection.found & is_member(selection.directions, candidates)
+        trusted = selection.found & is_member(selection.directions, state.pool.directions)
         if selection.complete:
             trusted &= selection.per_sample >= self.accept_matching
         return missing_direction_proposals(state, scorer, selection.directions[trusted])
