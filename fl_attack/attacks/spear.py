@@ -472,7 +472,13 @@ class GradientInversionAttack(ABC):
         self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
     ) -> torch.Tensor:
         """Proposals for the directions missing (or doubtful) in an otherwise good selection."""
-        trusted = selection.found & is_member(selection.directions, state.pool.directions)
+        candidates = state.pool.directions
+        if state.input_side is not None and state.input_side.side is not None:
+            # the input side's programmes reach any number of missing samples, so directions chosen
+            # among weak candidates (the sweep's, on deep layers) are trusted too; without it the
+            # gradient-side line scans would run on them, seconds each at d = 2
+            candidates = torch.cat([candidates, state.pool.weak()[0]], dim=0)
+        trusted = selection.found & is_member(selection.directions, candidates)
         if selection.complete:
             trusted &= selection.per_sample >= self.accept_matching
         return missing_direction_proposals(state, scorer, selection.directions[trusted])
