@@ -473,10 +473,11 @@ class GradientInversionAttack(ABC):
     ) -> torch.Tensor:
         """Proposals for the directions missing (or doubtful) in an otherwise good selection."""
         candidates = state.pool.directions
-        if state.input_side is not None and state.input_side.side is not None:
-            # the input side's programmes reach any number of missing samples, so directions chosen
-            # among weak candidates (the sweep's, on deep layers) are trusted too; without it the
-            # gradient-side line scans would run on them, seconds each at d = 2
+        if state.input_side is not None and state.input_side.swept_samples > 0:
+            # where the sweep reached samples, the input side's programmes reach the missing ones, so
+            # directions chosen among weak candidates (the sweep's, on deep layers) are trusted too;
+            # elsewhere (Adult: the sweep reaches none) they would only start gradient-side line
+            # scans, seconds each at d = 2
             candidates = torch.cat([candidates, state.pool.weak()[0]], dim=0)
         trusted = selection.found & is_member(selection.directions, candidates)
         if selection.complete:

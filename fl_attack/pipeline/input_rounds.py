@@ -92,6 +92,7 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
         generator=torch.Generator().manual_seed(state.generator.initial_seed()),
         deadline=until,
     )
+    slot.swept_samples = int(reached.shape[0])
     if reached.shape[0]:
         # a sample reached on the input side, with fewer gradient zeros than the weak threshold, is
         # still a sample (alike inputs leave some with a fifth of the informative neurons at zero)

@@ -393,6 +393,7 @@ class InputSideSlot:
     side: InputSide | None = None
     ready: bool = False
     tried: list[torch.Tensor] = field(default_factory=list)  # known sets of the missing-sample programmes
+    swept_samples: int = 0  # samples the sweep before the first round reached (each a vertex with a kernel)
 
     def get(self, state: SearchContext) -> InputSide | None:
         if not self.ready:
