@@ -25,7 +25,8 @@ from fl_attack.pipeline.decompose import LowRankFactors, noise_std
 from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
-from fl_attack.pipeline.input_side import InputSideSlot, interleave_input_side
+from fl_attack.pipeline.input_rounds import interleave_input_side
+from fl_attack.pipeline.input_side import InputSideSlot
 from fl_attack.pipeline.missing_samples import missing_direction_proposals
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.out_of_time import decompose_in_time
@@ -385,7 +386,8 @@ class GradientInversionAttack(ABC):
                         state.stats["stopped_by"] = "time_budget"
                         break
                     continue
-                if len(state.pool) >= 1:
+                if len(state.pool) >= 1 or (not state.noisy and state.pool.weak()[0].shape[0] > 0):
+                    # weak candidates alone (the sweep's, on deep layers' alike inputs) are worth a selection
                     state.incumbent = best.directions if best is not None and best.complete else None
                     candidate = self._select_and_split(state, scorer)
                     if best is None or self._accepted(candidate, scorer) or better_selection(candidate, best):
@@ -490,7 +492,14 @@ class GradientInversionAttack(ABC):
         self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
     ) -> torch.Tensor:
         """Proposals for the directions missing (or doubtful) in an otherwise good selection."""
-        trusted = selection.found & is_member(selection.directions, state.pool.directions)
+        candidates = state.pool.directions
+        if state.input_side is not None and state.input_side.swept_samples > 0:
+            # where the sweep reached samples, the input side's programmes reach the missing ones, so
+            # directions chosen among weak candidates (the sweep's, on deep layers) are trusted too;
+            # elsewhere (Adult: the sweep reaches none) they would only start gradient-side line
+            # scans, seconds each at d = 2
+            candidates = torch.cat([candidates, state.pool.weak()[0]], dim=0)
+        trusted = selection.found & is_member(selection.directions, candidates)
         if selection.complete:
             trusted &= selection.per_sample >= self.accept_matching
         return missing_direction_proposals(state, scorer, selection.directions[trusted])

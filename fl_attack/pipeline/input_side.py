@@ -19,8 +19,9 @@ and at the sample's true scale the inactive rows of ``L`` share a kernel, ``q``
 (as :mod:`fl_attack.pipeline.last_direction` scans its lines). Those directions enter the candidate
 pool like any other proposal: the same filters, selection and self-check decide.
 
-The input side is used only where it applies (see :func:`interleave_input_side`): when the
-cone is empty (inputs of both signs) one small linear programme says so, and the search goes
+The input side is used only where it applies (see
+:func:`fl_attack.pipeline.input_rounds.interleave_input_side`, which schedules its rounds): when
+the cone is empty (inputs of both signs) one small linear programme says so, and the search goes
 on as before.
 """
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,7 +40,7 @@ from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
 from fl_attack.pipeline.select import SparsityMatchingScorer
-from fl_attack.pipeline.sparsity import ZeroTolerance, deduplicate, refine_on_zeros
+from fl_attack.pipeline.sparsity import ZeroTolerance, refine_on_zeros
 
 #: A vertex is kept when it has at least this many input zeros beyond the ``b - 1`` any
 #: vertex has: a real sparse input has tens to hundreds more.
@@ -65,9 +65,6 @@ MIN_ROUND_SECONDS = 0.2
 #: The emptiness probe (one LP) may spend at most this fraction of the remaining search time
 #: (and at least ``MIN_ROUND_SECONDS``); a probe that does not finish counts as empty.
 PROBE_FRACTION = 0.02
-
-#: Input-side rounds stop after this many rounds in a row add no new candidate to the pool.
-STALE_ROUNDS = 3
 
 
 class SearchContext(Protocol):
@@ -116,8 +113,7 @@ class InputSide:
         b = factors.batch_size
         scales = factors.singular_values[:b].to(factors.right.dtype)
         basis = (factors.right / scales[:, None]).T
-        width = basis.shape[0]
-        live = basis.norm(dim=1) > relative_zero / math.sqrt(width)  # zero for every sample: pins nothing
+        live = live_features(factors, relative_zero=relative_zero)  # zero for every sample: pins nothing
         count = max(int(live.sum()), 1)
         tolerance = ZeroTolerance(absolute=relative_zero / math.sqrt(count), relative_noise=relative_noise)
         return cls(basis=basis[live].contiguous(), scales=scales, tolerance=tolerance, live=live)
@@ -129,13 +125,20 @@ class InputSide:
     def vertex(
         self, weights: np.ndarray, *, orthogonal_to: np.ndarray | None = None, seconds: float = math.inf
     ) -> np.ndarray | None:
-        """``u`` minimising ``weights^T V u`` over ``V u >= -tol``, ``1^T V u = 1``.
+        """``u`` minimising ``weights^T V u`` over ``V u >= -tol / sqrt(n')``, ``1^T V u = 1``.
 
         None when no such ``u`` exists or the solver did not finish within ``seconds`` (at
         ``(n, b) = (3072, 150)`` one programme takes seconds, at ``(3072, 400)`` minutes).
 
-        The slack ``tol`` keeps the true inputs feasible when rounding or noise makes their
-        zeros slightly negative. ``orthogonal_to`` (``(k, b)`` gradient-side directions ``q``)
+        The slack keeps the true inputs feasible when rounding or noise makes their zeros
+        slightly negative. ``tol`` (``tolerance.absolute``) applies to unit inputs, while the
+        programme's inputs have unit sum: a non-negative input of ``n'`` features has
+        ``||x|| <= 1^T x <= sqrt(n') ||x||``, so the slack ``tol / sqrt(n')`` leaves the vertex, once
+        scaled to unit norm, within ``tol`` of the cone, where :meth:`refine` counts its zeros
+        (a slack of ``tol`` put the active zeros of a sparse input at ``-tol`` times its
+        ``1^T x / ||x||``, about 14 at 200 non-zero features, and every vertex was refused as
+        mixed), and shrinks a true zero's rounding by ``1^T x / ||x||`` at least.
+        ``orthogonal_to`` (``(k, b)`` gradient-side directions ``q``)
         adds ``(q / S)^T u = 0``: a row ``p`` of ``Q^{-1}`` is orthogonal to the columns of
         ``Q`` of every other sample, so the samples not among the ``q`` (and not mixed into
         them) stay feasible while the others are cut off.
@@ -152,7 +155,7 @@ class InputSide:
         result = linprog(
             weights @ matrix,
             A_ub=-matrix,
-            b_ub=np.full(matrix.shape[0], self.tolerance.absolute),
+            b_ub=np.full(matrix.shape[0], self.tolerance.absolute / math.sqrt(matrix.shape[0])),
             A_eq=equalities,
             b_eq=targets,
             bounds=[(None, None)] * b,
@@ -196,6 +199,17 @@ class InputSide:
         one_signed = (values >= -limit).all(dim=1)
         keep = one_signed & (zeros >= b - 1 + MIN_EXTRA_ZEROS)
         return refined[keep], zeros[keep]
+
+
+def live_features(factors: LowRankFactors, *, relative_zero: float) -> torch.Tensor:
+    """``(n,)`` bool: the features not zero for the whole batch (rows of ``V`` above ``relative_zero / sqrt(n)``).
+
+    A cheap look at the right factor, without setting up the input side.
+    """
+    b = factors.batch_size
+    scales = factors.singular_values[:b].to(factors.right.dtype)
+    norms = (factors.right / scales[:, None]).norm(dim=0)
+    return norms > relative_zero / math.sqrt(norms.shape[0])
 
 
 def _check_directions(directions: torch.Tensor, size: int) -> None:
@@ -371,74 +385,6 @@ def gradient_directions(
 NOT_NEEDED = "not needed: the first round finished"
 
 
-def interleave_input_side(
-    proposals: Iterator[torch.Tensor], state: SearchContext, scorer: SparsityMatchingScorer
-) -> Iterator[torch.Tensor]:
-    """The attack's proposal rounds with input-side rounds between them, where they apply.
-
-    The rounds start after the attack's first round (``input_side`` reads :data:`NOT_NEEDED` when it
-    stops there); ``state.input_side`` shares the one set-up with the missing-sample programmes.
-    After each of the attack's rounds, an input-side round spends at most as long on cone
-    vertices, and as long again on turning them into gradient-side directions (each at least
-    ``MIN_ROUND_SECONDS``). The input side is not used when the live features are fewer than
-    ``MIN_FEATURES_PER_SAMPLE`` per sample (a random subspace of so few dimensions meets the
-    non-negative orthant anyway), when the cone is empty (inputs of both signs: one linear
-    programme, given ``PROBE_FRACTION`` of the remaining time, at least ``MIN_ROUND_SECONDS``
-    when some feature is zero for the whole batch; one that does not finish counts as empty),
-    or when the first round finds no vertex sparser than a generic one. The rounds stop once
-    ``STALE_ROUNDS`` rounds in a row add nothing to the pool, or at the deadline.
-    ``state.stats`` records ``input_side`` (``"used"`` or why not) and the vertex and proposal counts.
-    """
-    state.input_side = InputSideSlot(scorer)
-    rounds = _timed(proposals)
-    first = next(rounds, None)
-    if first is None:
-        return
-    # an attack done after its first round (dense inputs usually are) never pays for the set-up
-    state.stats["input_side"] = NOT_NEEDED
-    yield first[1]
-    side = state.input_side.get(state)
-    if side is None:
-        yield from (directions for _, directions in rounds)
-        return
-    state.stats.update(input_side="used", input_side_vertices=0, input_side_proposals=0)
-    factors, b = state.factors, state.factors.batch_size
-    seconds, stale = first[0], 0
-    while True:
-        if stale < STALE_ROUNDS and not expired(state.deadline):
-            before = len(state.pool)
-            until = min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds))
-            vertices = cone_vertices(
-                side, count=2 * b, generator=state.generator, known=state.pool.directions, deadline=until
-            )
-            refined, _ = side.refine(vertices)
-            refined = refined[deduplicate(refined, cos_tolerance=state.pool.cos_tolerance)]  # one scan each
-            if state.stats["input_side_vertices"] == 0 and refined.shape[0] == 0:
-                state.stats["input_side"] = "no sparse non-negative vertex"
-                stale = STALE_ROUNDS
-            else:
-                candidates = gradient_directions(
-                    side,
-                    refined,
-                    left=factors.left,
-                    pre_activation_basis=scorer.pre_activation_basis[state.active],
-                    bias=scorer.update.bias[state.active],
-                    tolerance=state.pool.tolerance,
-                    min_zeros=state.pool.weak_min_zeros,
-                    # the scans get as long again as the vertices: on wide layers they cost more
-                    deadline=min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds)),
-                )
-                state.stats["input_side_vertices"] += int(refined.shape[0])
-                state.stats["input_side_proposals"] += int(candidates.shape[0])
-                yield candidates
-                stale = stale + 1 if len(state.pool) == before else 0
-        following = next(rounds, None)
-        if following is None:
-            return
-        seconds, directions = following
-        yield directions
-
-
 @dataclass
 class InputSideSlot:
     """The input side of one attack, set up on first use, at most once (``get``: None where it does not apply)."""
@@ -447,6 +393,7 @@ class InputSideSlot:
     side: InputSide | None = None
     ready: bool = False
     tried: list[torch.Tensor] = field(default_factory=list)  # known sets of the missing-sample programmes
+    swept_samples: int = 0  # samples the sweep before the first round reached (each a vertex with a kernel)
 
     def get(self, state: SearchContext) -> InputSide | None:
         if not self.ready:
@@ -479,22 +426,11 @@ def _usable_input_side(state: SearchContext, scorer: SparsityMatchingScorer) -> 
     return side
 
 
-def _timed(proposals: Iterator[torch.Tensor]) -> Iterator[tuple[float, torch.Tensor]]:
-    """``proposals`` with the seconds each took to produce."""
-    while True:
-        started = time.perf_counter()
-        try:
-            directions = next(proposals)
-        except StopIteration:
-            return
-        yield time.perf_counter() - started, directions
-
-
 __all__ = [
     "InputSide",
     "InputSideSlot",
     "SearchContext",
     "cone_vertices",
     "gradient_directions",
-    "interleave_input_side",
+    "live_features",
 ]

@@ -10,7 +10,8 @@ reaches one of them, for any ``d``, where the gradient-side scans handle only ``
 vertex is turned into its gradient-side direction by the ReLU-pattern scan of
 :func:`fl_attack.pipeline.input_side.gradient_directions`, which then joins the known columns, so
 the next programme is steered to a sample not found yet: ``d`` missing samples cost about ``d``
-small programmes.
+small programmes. With no column known (``d = b``) the same programmes sweep the whole cone
+(:func:`fl_attack.pipeline.input_rounds.sweep_proposals`, before the attack's first round).
 
 Known columns that are wrong (a sparse mixture selected in a sample's place) narrow the cone to
 a space the missing samples do not span; its vertices are then dense, mixed or absent, and the
@@ -27,7 +28,7 @@ import torch
 
 from fl_attack.pipeline.candidates import is_member
 from fl_attack.pipeline.deadline import expired
-from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions
+from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions, live_features
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance
@@ -43,7 +44,7 @@ TIME_SHARE = 0.25
 MIN_SECONDS = 0.2
 
 
-def missing_sample_directions(
+def reach_samples(
     side: InputSide,
     known: torch.Tensor,
     *,
@@ -54,15 +55,16 @@ def missing_sample_directions(
     min_zeros: int,
     generator: torch.Generator,
     deadline: float = math.inf,
-) -> torch.Tensor:
-    """Gradient-side proposals for the samples missing from ``known`` directions.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient-side proposals for the samples missing from ``known`` directions, and the samples reached.
 
     Parameters
     ----------
     side
         The input side of the attack's factors (non-negative inputs).
     known
-        ``(b - d, b)`` directions believed correct, ``1 <= d < b``.
+        ``(b - d, b)`` directions believed correct, ``1 <= d <= b``: with none known (``d = b``)
+        the programmes sweep the whole cone, each steered away from the samples reached before it.
     left
         ``(m', b)`` orthonormal left factor on the informative neurons.
     pre_activation_basis
@@ -80,30 +82,33 @@ def missing_sample_directions(
 
     Returns
     -------
-    torch.Tensor
+    tuple[torch.Tensor, torch.Tensor]
         ``(j, b)`` unit directions: for each vertex reached, the kernels of its ReLU patterns
         (smallest residual first, as :func:`~fl_attack.pipeline.input_side.gradient_directions`
-        returns them).
+        returns them); and ``(r, b)``: the first kernel of each vertex reached, the one that
+        steered the later programmes.
 
     Raises
     ------
     ValueError
-        When ``known`` is not ``(k, b)`` with ``1 <= k < b``.
+        When ``known`` is not ``(k, b)`` with ``0 <= k < b``.
     """
     b = side.batch_size
-    if known.ndim != 2 or known.shape[1] != b or not 1 <= known.shape[0] < b:
-        raise ValueError(f"known must have shape (k, {b}) with 1 <= k < {b}, got {tuple(known.shape)}")
+    if known.ndim != 2 or known.shape[1] != b or not 0 <= known.shape[0] < b:
+        raise ValueError(f"known must have shape (k, {b}) with 0 <= k < {b}, got {tuple(known.shape)}")
     missing = b - known.shape[0]
     constraints = known
     proposals: list[torch.Tensor] = []
     reached = 0
-    for _ in range(missing + EXTRA_PROGRAMMES):
+    for programme in range(missing + EXTRA_PROGRAMMES):
         if reached >= missing or expired(deadline):
             break
+        if reached == 0 and programme > EXTRA_PROGRAMMES:
+            break  # no vertex so far was a sample: the cone's vertices are not the inputs
         weights = torch.rand(side.basis.shape[0], generator=generator, dtype=torch.float64).numpy()
         vertex = side.vertex(
             weights,
-            orthogonal_to=constraints.detach().cpu().numpy(),
+            orthogonal_to=constraints.detach().cpu().numpy() if constraints.shape[0] else None,
             seconds=deadline - time.perf_counter(),
         )
         if vertex is None:  # no non-negative input left: the known columns cut every sample off
@@ -129,9 +134,40 @@ def missing_sample_directions(
         constraints = torch.cat([constraints, directions[:1].to(constraints)], dim=0)
         if constraints.shape[0] >= b:
             break
+    reached_directions = constraints[known.shape[0] :]
     if not proposals:
-        return left.new_zeros(0, b)
-    return torch.cat(proposals, dim=0)
+        return left.new_zeros(0, b), reached_directions
+    return torch.cat(proposals, dim=0), reached_directions
+
+
+def missing_sample_directions(
+    side: InputSide,
+    known: torch.Tensor,
+    *,
+    left: torch.Tensor,
+    pre_activation_basis: torch.Tensor,
+    bias: torch.Tensor,
+    tolerance: ZeroTolerance,
+    min_zeros: int,
+    generator: torch.Generator,
+    deadline: float = math.inf,
+) -> torch.Tensor:
+    """Gradient-side proposals for the samples missing from ``known`` directions.
+
+    The proposals of :func:`reach_samples` (same parameters and errors): ``(j, b)`` unit directions.
+    """
+    proposals, _ = reach_samples(
+        side,
+        known,
+        left=left,
+        pre_activation_basis=pre_activation_basis,
+        bias=bias,
+        tolerance=tolerance,
+        min_zeros=min_zeros,
+        generator=generator,
+        deadline=deadline,
+    )
+    return proposals
 
 
 def missing_direction_proposals(
@@ -155,7 +191,7 @@ def missing_direction_proposals(
     pre_activation_basis = scorer.pre_activation_basis[state.active]
     bias = scorer.update.bias[state.active]
     slot = state.input_side
-    wanted = slot is not None and 1 <= missing <= b // 2 and (slot.ready or _dead_features(state, scorer))
+    wanted = slot is not None and 1 <= missing <= b // 2 and (slot.ready or some_feature_dead(state, scorer))
     side = slot.get(state) if slot is not None and wanted else None
     if (
         slot is not None
@@ -198,15 +234,11 @@ def missing_direction_proposals(
     return proposals
 
 
-def _dead_features(state: SearchContext, scorer: SparsityMatchingScorer) -> bool:
+def some_feature_dead(state: SearchContext, scorer: SparsityMatchingScorer) -> bool:
     """Whether some input feature is zero for the whole batch (a zero column of the right factor)."""
     tolerance = state.pool.tolerance
-    side = InputSide.from_factors(
-        state.factors,
-        relative_noise=tolerance.relative_noise,
-        relative_zero=tolerance.absolute * math.sqrt(scorer.update.width),
-    )
-    return not bool(side.live.all())
+    relative_zero = tolerance.absolute * math.sqrt(scorer.update.width)
+    return not bool(live_features(state.factors, relative_zero=relative_zero).all())
 
 
 __all__ = [
@@ -215,4 +247,6 @@ __all__ = [
     "TIME_SHARE",
     "missing_direction_proposals",
     "missing_sample_directions",
+    "reach_samples",
+    "some_feature_dead",
 ]
