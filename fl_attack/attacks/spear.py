@@ -17,7 +17,6 @@ from fl_attack.pipeline.candidates import (
     CandidatePool,
     duplicate_cos_tolerance,
     informative_rows,
-    is_member,
     rows_not_in,
 )
 from fl_attack.pipeline.deadline import expired
@@ -27,7 +26,7 @@ from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.input_rounds import interleave_input_side
 from fl_attack.pipeline.input_side import InputSideSlot
-from fl_attack.pipeline.missing_samples import missing_direction_proposals
+from fl_attack.pipeline.missing_samples import missing_direction_proposals, trusted_directions
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.out_of_time import decompose_in_time
 from fl_attack.pipeline.precision import precision_stats
@@ -492,17 +491,8 @@ class GradientInversionAttack(ABC):
         self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
     ) -> torch.Tensor:
         """Proposals for the directions missing (or doubtful) in an otherwise good selection."""
-        candidates = state.pool.directions
-        if state.input_side is not None and state.input_side.swept_samples > 0:
-            # where the sweep reached samples, the input side's programmes reach the missing ones, so
-            # directions chosen among weak candidates (the sweep's, on deep layers) are trusted too;
-            # elsewhere (Adult: the sweep reaches none) they would only start gradient-side line
-            # scans, seconds each at d = 2
-            candidates = torch.cat([candidates, state.pool.weak()[0]], dim=0)
-        trusted = selection.found & is_member(selection.directions, candidates)
-        if selection.complete:
-            trusted &= selection.per_sample >= self.accept_matching
-        return missing_direction_proposals(state, scorer, selection.directions[trusted])
+        trusted = trusted_directions(state, selection, accept_matching=self.accept_matching)
+        return missing_direction_proposals(state, scorer, trusted)
 
     @abstractmethod
     def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:

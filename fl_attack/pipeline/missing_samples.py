@@ -30,7 +30,7 @@ from fl_attack.pipeline.candidates import is_member
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions, live_features
 from fl_attack.pipeline.last_direction import scan_missing_directions
-from fl_attack.pipeline.select import SparsityMatchingScorer
+from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance
 
 #: Linear programmes allowed beyond one per missing sample (a vertex may turn out dense, or
@@ -168,6 +168,24 @@ def missing_sample_directions(
         deadline=deadline,
     )
     return proposals
+
+
+def trusted_directions(state: SearchContext, selection: Selection, *, accept_matching: float) -> torch.Tensor:
+    """The ``(k, b)`` directions of ``selection`` that :func:`missing_direction_proposals` may build on.
+
+    Those found and in the pool's confident candidates (with a matching of at least
+    ``accept_matching`` in a complete selection). Where the input side's sweep reached samples,
+    its programmes reach the missing ones, so directions chosen among weak candidates (the
+    sweep's, on deep layers) are trusted too; elsewhere (Adult: the sweep reaches none) they
+    would only start gradient-side line scans, seconds each at ``d = 2``.
+    """
+    candidates = state.pool.directions
+    if state.input_side is not None and state.input_side.swept_samples > 0:
+        candidates = torch.cat([candidates, state.pool.weak()[0]], dim=0)
+    trusted = selection.found & is_member(selection.directions, candidates)
+    if selection.complete:
+        trusted &= selection.per_sample >= accept_matching
+    return selection.directions[trusted]
 
 
 def missing_direction_proposals(
