@@ -17,6 +17,7 @@ from clients.ground_truth import attach_ground_truth, ground_truth_enabled, laye
 from fl_attack.audit.protocol import GROUND_TRUTH_INPUTS, GROUND_TRUTH_KEY
 from strategies import HonestButCuriousStrategy, RunConfigError, resolve_audit_config, resolve_run_config
 from strategies.cli import main as audit_main
+from strategies.server_app import build_strategy, full_batch_local_steps
 
 
 def _context(run_config: dict[str, Any] | None = None, node_config: dict[str, Any] | None = None) -> Context:
@@ -167,3 +168,31 @@ def test_leakage_gate_fails_a_leaking_run(tmp_path: Path, capsys: pytest.Capture
     assert audit_main(["--num-supernodes", "2", "--fail-above", "0.01", "-c", settings]) == 3
     captured = capsys.readouterr()
     assert "leakage gate failed" in captured.err and "2 exact" in captured.out
+
+
+@pytest.mark.parametrize(
+    ("settings", "steps"),
+    [
+        ({"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 20, "local-epochs": 10}, 10),
+        ({"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 5, "local-epochs": 10}, 1),
+        ({"train-mode": "fedsgd", "samples-per-client": 20, "mini-batch-size": 20, "local-epochs": 10}, 1),
+        ({"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 20, "local-epochs": 10,
+          "secagg-group-size": 2}, 1),
+        ({"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 5, "attack-local-steps": 4}, 4),
+    ],
+)  # fmt: skip
+def test_this_apps_full_batch_fedavg_steps_reach_the_attack(settings: dict[str, Any], steps: int) -> None:
+    """The default app configured its clients, so it knows when their steps are full-batch."""
+    config = resolve_run_config({}, settings)
+    assert full_batch_local_steps(config) == steps
+
+
+def test_the_default_apps_strategy_gives_its_full_batch_steps_to_the_attack(tmp_path: Path) -> None:
+    settings = {"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 20, "local-epochs": 10}
+    config = resolve_run_config(
+        {}, {**settings, "output-dir": str(tmp_path / "run"), "attack-isolation": "thread"}
+    )
+    strategy = build_strategy(config, scorer=None)
+    assert isinstance(strategy, HonestButCuriousStrategy)
+    assert getattr(strategy.auditor.attacker, "local_steps", None) == 10
+    strategy.close()
