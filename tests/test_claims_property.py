@@ -161,7 +161,7 @@ def test_self_check_refuses_look_alike_samples_that_a_blend_explains_as_well() -
         # the blend re-synthesises the update as well as the truth: the batch is not identifiable
         assert check.residual <= check.tolerance and check.bias_residual <= check.bias_tolerance
         assert not check.passed
-        assert check.pattern_twins == 1 and check.reasons == ("1 pairs of rows share one ReLU pattern",)
+        assert check.pattern_twins == 1 and check.reasons == ("1 pair of rows shares one ReLU pattern",)
 
 
 def test_self_check_passes_the_true_batch() -> None:

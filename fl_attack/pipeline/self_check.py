@@ -205,7 +205,9 @@ def self_check(
     if distance <= distance_floor:
         reasons.append(f"two rows are duplicates (relative distance {distance:.2g})")
     if twins:
-        reasons.append(f"{twins} pairs of rows share one ReLU pattern")
+        reasons.append(
+            f"{twins} pair{'' if twins == 1 else 's'} of rows share{'s' if twins == 1 else ''} one ReLU pattern"
+        )
     if rank < b:
         reasons.append(f"rank {rank} < {b}" + (" above the noise" if exact else ""))
     return SelfCheck(
