@@ -20,10 +20,10 @@ def build_attacker(config: Mapping[str, UserConfigValue]) -> Attacker:
     """The registered attack ``attack-name`` (default SPEAR++) on ``attack-device``.
 
     ``attack-local-steps`` above 1 is given to the attack (SPEAR and SPEAR++ take it); it needs
-    each attacked update to be one client's (``secagg-group-size = 1``).
+    each attacked update to be one client's (``secagg-group-size = 1``); 0 (unknown) means 1.
     """
     options: dict[str, Any] = {}
-    local_steps = int(config["attack-local-steps"])
+    local_steps = int(config["attack-local-steps"]) or 1
     if local_steps > 1:
         if int(config["secagg-group-size"]) > 1:
             raise RunConfigError(

@@ -159,10 +159,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attack-batch-size", 0, "batch size told to the attacker (0: estimated)", "audit", minimum=0),
     Setting(
         "attack-local-steps",
-        1,
-        "full-batch local SGD steps of every client, when known (FedAvg): matched at both ends",
+        0,
+        "full-batch local SGD steps of every client (FedAvg), matched at both ends "
+        "(0: this app's own full-batch local-epochs, else 1)",
         "audit",
-        positive=True,
+        minimum=0,
     ),
     Setting("attack-device", "auto", "auto, cpu or cuda[:N]", "audit"),
     Setting("attack-seed", 0, "seed of the attack and of the attacked-update draw", "audit"),

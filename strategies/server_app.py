@@ -51,16 +51,18 @@ def build_strategy(
 
 
 def full_batch_local_steps(config: Mapping[str, UserConfigValue]) -> int:
-    """The step count given to the attack: ``attack-local-steps`` when set above 1; else, when
+    """The step count given to the attack: ``attack-local-steps`` when set (above 0); else, when
     this app's clients take one full-batch step per epoch (FedAvg with ``mini-batch-size`` at least
     ``samples-per-client``) and each update is attacked alone, their ``local-epochs``; else 1.
 
-    The server configured the clients, so it knows their steps (``attack-local-steps``).
+    The server configured the clients, so it knows their steps.
     """
     told = int(config["attack-local-steps"])
     full_batch = int(config["mini-batch-size"]) >= int(config["samples-per-client"])
-    if told > 1 or config["train-mode"] != "fedavg" or not full_batch or int(config["secagg-group-size"]) > 1:
+    if told > 0:
         return told
+    if config["train-mode"] != "fedavg" or not full_batch or int(config["secagg-group-size"]) > 1:
+        return 1
     return int(config["local-epochs"])
 
 

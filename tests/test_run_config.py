@@ -97,7 +97,7 @@ def test_local_steps_reach_the_attack_and_are_refused_where_they_cannot_hold(tmp
             output_dir=str(tmp_path),
         )
     with pytest.raises(RunConfigError, match="attack-local-steps"):
-        resolve_audit_config({"attack-local-steps": 0})
+        resolve_audit_config({"attack-local-steps": -1})
 
 
 def test_from_context_rejects_typos_and_wrong_strategies(tmp_path: Path) -> None:
@@ -179,6 +179,8 @@ def test_leakage_gate_fails_a_leaking_run(tmp_path: Path, capsys: pytest.Capture
         ({"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 20, "local-epochs": 10,
           "secagg-group-size": 2}, 1),
         ({"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 5, "attack-local-steps": 4}, 4),
+        ({"train-mode": "fedavg", "samples-per-client": 20, "mini-batch-size": 20, "local-epochs": 10,
+          "attack-local-steps": 1}, 1),
     ],
 )  # fmt: skip
 def test_this_apps_full_batch_fedavg_steps_reach_the_attack(settings: dict[str, Any], steps: int) -> None:

@@ -195,7 +195,8 @@ def relevant_settings(config: Mapping[str, Any] | None) -> tuple[list[tuple[str,
     A key is left out when it cannot have changed what the server saw or recovered: the
     other training modes' keys, ``secagg-group-size`` at 1, ``labels-per-client`` without
     label skew, ``test-limit`` without server evaluation, empty layer keys, ``attack-fraction``
-    when partitions are named, a zero ``attack-batch-size`` / ``dataset-limit`` / ``depth``,
+    when partitions are named, a zero ``attack-batch-size`` / ``attack-local-steps`` /
+    ``dataset-limit`` / ``depth``,
     an empty ``data-root``, ``attack-enabled`` when true, and ``output-dir``.
 
     Returns
@@ -231,7 +232,7 @@ def _plays_a_part(key: str, value: Any, config: Mapping[str, Any], mode: str | N
         return not config.get("attack-partitions")
     if key in ("attack-partitions", "attack-weight-key", "attack-bias-key", "data-root"):
         return bool(value)
-    if key in ("attack-batch-size", "dataset-limit", "depth"):
+    if key in ("attack-batch-size", "attack-local-steps", "dataset-limit", "depth"):
         return bool(number(value))
     if key == "attack-enabled":
         return value is False
