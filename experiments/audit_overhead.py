@@ -340,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help=f"output folder (default {OUTPUTS_DIR}/{NAME}[_quick])")
     parser.add_argument("--data-root", help="root of CIFAR-10 for the scale part (default: searched)")
     parser.add_argument(
+        "--scale-rounds", type=int, help="rounds of the scale runs (default 3; more shows whether memory stays flat)"
+    )
+    parser.add_argument(
         "--scale-set",
         action="append",
         default=[],
@@ -378,6 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if settings:
         plan = dataclasses.replace(plan, scale_overrides={**plan.scale_overrides, **settings})
+    if args.scale_rounds is not None:
+        if args.scale_rounds < 1:
+            parser.error(f"--scale-rounds must be at least 1, got {args.scale_rounds}")
+        plan = dataclasses.replace(plan, scale_rounds=args.scale_rounds)
     data_root = str(Path(args.data_root).resolve()) if args.data_root else None
     if "scale" in parts:
         try:

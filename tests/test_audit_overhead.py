@@ -170,3 +170,10 @@ def test_scale_settings_are_parsed_as_run_config_values() -> None:
     }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_settings(["attack-queue-size"])
+
+
+def test_scale_rounds_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--parts", "scale", "--scale-rounds", "0"])
+    assert stop.value.code == 2
+    assert "--scale-rounds must be at least 1, got 0" in capsys.readouterr().err
