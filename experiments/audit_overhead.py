@@ -340,7 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help=f"output folder (default {OUTPUTS_DIR}/{NAME}[_quick])")
     parser.add_argument("--data-root", help="root of CIFAR-10 for the scale part (default: searched)")
     parser.add_argument(
-        "--scale-rounds", type=int, help="rounds of the scale runs (default 3; more shows whether memory stays flat)"
+        "--scale-rounds",
+        type=int,
+        help="rounds of the scale runs (default 3; more shows whether memory stays flat)",
     )
     parser.add_argument(
         "--scale-set",
