@@ -261,7 +261,11 @@ def scale_part(plan: Plan, out: Path, *, runs_dir: Path, data_root: str | None) 
         }
         spec = _simulation_spec(plan, name, clients=plan.scale_clients, overrides=overrides)
         runs[arm] = run_child(
-            "simulate", spec, out=out, timeout=plan.simulation_timeout, interval=plan.memory_interval
+            "simulate",
+            spec,
+            out=out,
+            timeout=plan.simulation_timeout * max(1.0, plan.scale_rounds / FULL.scale_rounds),
+            interval=plan.memory_interval,
         )
     return runs
 
