@@ -31,6 +31,7 @@ from fl_attack.pipeline.input_side import (
     gradient_directions,
 )
 from fl_attack.pipeline.missing_samples import reach_samples, some_feature_dead
+from fl_attack.pipeline.onehot_side import one_hot_proposals
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import deduplicate, zero_masks
 
@@ -73,6 +74,9 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
     slot = state.input_side
     if slot is None or state.factors.batch_size < 2 or not some_feature_dead(state, scorer):
         return None
+    onehot = _onehot_sweep(state, slot)
+    if onehot is not None:
+        return onehot
     side = slot.get(state)
     if side is None:
         return None
@@ -92,12 +96,7 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
         generator=torch.Generator().manual_seed(state.generator.initial_seed()),
         deadline=until,
     )
-    slot.swept_samples = int(reached.shape[0])
-    if reached.shape[0]:
-        # a sample reached on the input side, with fewer gradient zeros than the weak threshold, is
-        # still a sample (alike inputs leave some with a fifth of the informative neurons at zero)
-        fewest = int(zero_masks(state.factors, reached, pool.tolerance).sum(dim=1).min())
-        pool.weak_min_zeros = min(pool.weak_min_zeros, max(b + SWEEP_EXTRA_ZEROS, fewest))
+    _record_reached(state, slot, reached)
     state.stats.update(
         input_side="used",
         input_side_sweep=int(proposals.shape[0]),
@@ -106,6 +105,50 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
         weak_min_zeros=pool.weak_min_zeros,
     )
     return proposals
+
+
+def _record_reached(state: SearchContext, slot: InputSideSlot, reached: torch.Tensor) -> None:
+    """Remember the samples a sweep reached, and lower the weak threshold to the fewest zeros among them."""
+    slot.swept_samples = int(reached.shape[0])
+    if reached.shape[0]:
+        # a sample reached on the input side, with fewer gradient zeros than the weak threshold, is
+        # still a sample (alike inputs leave some with a fifth of the informative neurons at zero)
+        pool, b = state.pool, state.factors.batch_size
+        fewest = int(zero_masks(state.factors, reached, pool.tolerance).sum(dim=1).min())
+        pool.weak_min_zeros = min(pool.weak_min_zeros, max(b + SWEEP_EXTRA_ZEROS, fewest))
+
+
+def _onehot_sweep(state: SearchContext, slot: InputSideSlot) -> torch.Tensor | None:
+    """Directions of the samples pinned by their one-hot rows (:mod:`fl_attack.pipeline.onehot_side`).
+
+    None where the update shows no one-hot group or the rows pin no sample (lineality 2 or
+    more: the missing-sample proposals try again with the directions the search trusts).
+    """
+    side = slot.get_onehot(state)
+    if side is None:
+        return None
+    started = time.perf_counter()
+    b = state.factors.batch_size
+    result = one_hot_proposals(
+        side,
+        state.factors.left.new_zeros(0, b),
+        tolerance=state.pool.tolerance,
+        min_zeros=b + SWEEP_EXTRA_ZEROS,
+        deadline=min(
+            state.deadline, started + max(MIN_ROUND_SECONDS, SWEEP_SHARE * (state.deadline - started))
+        ),
+    )
+    state.stats.update(
+        onehot_lineality=result.lineality,
+        onehot_rows=result.one_hot_rows,
+        onehot_sweep=int(result.directions.shape[0]),
+        onehot_sweep_seconds=time.perf_counter() - started,
+    )
+    if result.directions.shape[0] == 0:
+        return None
+    _record_reached(state, slot, result.directions)
+    state.stats.update(input_side="used", weak_min_zeros=state.pool.weak_min_zeros)
+    return result.directions
 
 
 def interleave_input_side(
