@@ -12,6 +12,11 @@ it: the inputs of layer 5 of SPEAR's victim are alike (mean pairwise cosine 0.8)
 gradient columns have a quarter of the informative neurons at zero, below SPEAR's sparsity
 threshold, so the sphere search proposes sparse mixtures by the thousand while every cone vertex
 is one sample, exact to the float rounding.
+
+Where the update shows one-hot column groups (:mod:`fl_attack.pipeline.onehot_groups`: tabular
+rows, whose signed continuous columns leave the cone empty), the sweep first tries the one-hot
+rows (:mod:`fl_attack.pipeline.onehot_side`), and :mod:`fl_attack.pipeline.onehot_rounds` tries
+them again after each of the attack's rounds where near-twins left them ambiguous.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from fl_attack.pipeline.input_side import (
     gradient_directions,
 )
 from fl_attack.pipeline.missing_samples import reach_samples, some_feature_dead
+from fl_attack.pipeline.onehot_rounds import onehot_between
 from fl_attack.pipeline.onehot_side import one_hot_proposals
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import deduplicate, zero_masks
@@ -52,9 +58,11 @@ SWEEP_EXTRA_ZEROS = 2
 def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> torch.Tensor | None:
     """Gradient-side directions of the samples reached by a sweep of the cone, or None where it does not run.
 
-    It runs where some input feature is zero for the whole batch and the input side applies
-    (``state.input_side.get``); ``b`` programmes steered apart by the directions found
-    (:func:`~fl_attack.pipeline.missing_samples.reach_samples`), stopped after
+    It runs where some input feature is zero for the whole batch. Where the update shows one-hot
+    groups and their rows pin samples, those samples' directions are the sweep (``state.stats``:
+    ``onehot_lineality``, ``onehot_rows``, ``onehot_sweep``, ``onehot_sweep_seconds``);
+    otherwise, where the input side applies (``state.input_side.get``), ``b`` programmes steered
+    apart by the directions found (:func:`~fl_attack.pipeline.missing_samples.reach_samples`), stopped after
     ``SWEEP_SHARE`` of the search time. The samples reached set ``state.pool.weak_min_zeros``
     (see ``SWEEP_EXTRA_ZEROS``). ``state.stats`` records ``input_side_sweep`` (the proposals),
     ``input_side_sweep_reached``, ``input_side_sweep_seconds`` and ``weak_min_zeros``.
@@ -190,7 +198,7 @@ def interleave_input_side(
     swept = sweep_proposals(state, scorer)
     if swept is not None:
         yield swept
-    rounds = _timed(proposals)
+    rounds = onehot_between(_timed(proposals), state)
     first = next(rounds, None)
     if first is None:
         return

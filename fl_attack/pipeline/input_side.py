@@ -399,7 +399,6 @@ class InputSideSlot:
     onehot: OneHotSide | None = None
     onehot_ready: bool = False
     onehot_tried: list[torch.Tensor] = field(default_factory=list)  # known sets of the one-hot proposals
-    onehot_singles: list[torch.Tensor] = field(default_factory=list)  # single known directions tried
 
     def get(self, state: SearchContext) -> InputSide | None:
         if not self.ready:

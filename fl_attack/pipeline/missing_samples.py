@@ -30,7 +30,7 @@ from fl_attack.pipeline.candidates import is_member
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions, live_features
 from fl_attack.pipeline.last_direction import scan_missing_directions
-from fl_attack.pipeline.onehot_side import one_hot_proposals
+from fl_attack.pipeline.onehot_rounds import onehot_missing
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance
 
@@ -238,7 +238,7 @@ def missing_direction_proposals(
         state.stats["missing_sample_proposals"] = count
         if proposals.shape[0]:
             return proposals
-    onehot = _onehot_missing(state, scorer, trusted)
+    onehot = onehot_missing(state, trusted)
     if onehot.shape[0]:
         return onehot
     if missing not in (1, 2):
@@ -254,58 +254,6 @@ def missing_direction_proposals(
     )
     state.stats["scan_proposals"] = state.stats.get("scan_proposals", 0) + int(proposals.shape[0])
     return proposals
-
-
-def _onehot_missing(
-    state: SearchContext, scorer: SparsityMatchingScorer, trusted: torch.Tensor
-) -> torch.Tensor:
-    """Directions of the samples missing from ``trusted`` that their one-hot rows pin, once per trusted set.
-
-    Known directions cut the lineality of the one-hot rows (near-twins, dependent rows), so
-    where the sweep before the first round pinned nothing this often pins every missing sample
-    (:func:`fl_attack.pipeline.onehot_side.one_hot_proposals`). The groups are looked for only
-    where some feature is zero for the whole batch (unused categories), as the sweep does.
-    ``state.stats`` counts ``onehot_missing_proposals``.
-    """
-    b = state.factors.batch_size
-    slot = state.input_side
-    if slot is None or not 1 <= b - trusted.shape[0] < b:
-        return state.factors.left.new_zeros(0, b)
-    if not slot.onehot_ready and not some_feature_dead(state, scorer):
-        return state.factors.left.new_zeros(0, b)
-    side = slot.get_onehot(state)
-    if side is None or any(
-        previous.shape == trusted.shape and bool(is_member(trusted, previous).all())
-        for previous in slot.onehot_tried
-    ):
-        return state.factors.left.new_zeros(0, b)
-    slot.onehot_tried.append(trusted)
-    found = state.factors.left.new_zeros(0, b)
-    # all trusted directions first; then each alone: a wrong one (a mixture) cuts off only the
-    # samples it mixes, and one near-twin's direction is enough to cut a lineality of 2 to 1
-    for known in [trusted, *(trusted[i : i + 1] for i in range(trusted.shape[0]))]:
-        if expired(state.deadline) or (known.shape[0] == 1 and _tried(slot.onehot_singles, known)):
-            continue
-        if known.shape[0] == 1:
-            slot.onehot_singles.append(known)
-        result = one_hot_proposals(
-            side,
-            known,
-            tolerance=state.pool.tolerance,
-            min_zeros=state.pool.weak_min_zeros,
-            deadline=state.deadline,
-        )
-        found = torch.cat([found, result.directions], dim=0)
-        if found.shape[0] >= b - trusted.shape[0]:
-            break
-    count = state.stats.get("onehot_missing_proposals", 0) + int(found.shape[0])
-    state.stats["onehot_missing_proposals"] = count
-    return found
-
-
-def _tried(previous: list[torch.Tensor], direction: torch.Tensor) -> bool:
-    """Whether ``(1, b)`` ``direction`` is (up to sign) one of the ``previous`` ones."""
-    return any(bool(is_member(direction, earlier).all()) for earlier in previous)
 
 
 def some_feature_dead(state: SearchContext, scorer: SparsityMatchingScorer) -> bool:

@@ -20,8 +20,9 @@ categorical value (near-twins) or their one-hot rows are linearly dependent.
 * lineality 1: the inputs of ``p`` form a line; scanning its ReLU patterns (every breakpoint
   of ``W x(t) + bias``, both directions) finds the kernel of every sample on it, twins included;
 * lineality 2 or more: nothing is proposed. Known directions (``a^T q = 0`` holds for every
-  other sample's ``q``) cut the lineality: the missing-sample programmes call this again with
-  the directions the search trusts, and there the lineality is usually 0 or 1.
+  other sample's ``q``) cut the lineality: :mod:`fl_attack.pipeline.onehot_rounds` calls this
+  again with directions the search found, and one near-twin's direction per extra dimension
+  brings it to 1 (:func:`cutting_directions`).
 
 What is identifiable: a sample whose one-hot row is unique in the batch and not a combination
 of others' is pinned by its categories alone; near-twins (same categories) only through the
@@ -286,10 +287,7 @@ def one_hot_proposals(
     for group in side.groups:
         start = len(local) and local[-1][-1] + 1
         local.append(list(range(start, start + len(group))))
-    basis = _complement(known.to(side.right), b)  # (b, d)
-    restricted = basis.T @ side.right[:, columns]  # (d, |M|)
-    _, values, vectors_h = torch.linalg.svd(restricted, full_matrices=True)
-    rank = int((values > RANK_TOLERANCE * values[0]).sum()) if values.numel() and values[0] > 0 else 0
+    basis, restricted, vectors_h, rank = _restricted_rows(side, known)
     lineality = basis.shape[1] - rank
     if lineality >= 2:
         return OneHotProposals(empty.directions, 0, lineality)
@@ -309,6 +307,64 @@ def one_hot_proposals(
         hits = _line_kernels(side.left, offsets, slope, minimum=minimum, limit=limit, deadline=deadline)
         directions = torch.cat(hits, dim=0) if hits else side.left.new_zeros(0, b)
     return OneHotProposals(_distinct(directions), int(rows.shape[0]), lineality)
+
+
+def _restricted_rows(
+    side: OneHotSide, known: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Rows ``a`` orthogonal to ``known``: their basis ``(b, d)``, ``R_M`` there ``(d, |M|)``, its ``V^T`` and rank."""
+    basis = _complement(known.to(side.right), side.batch_size)
+    restricted = basis.T @ side.right[:, [column for group in side.groups for column in group]]
+    _, values, vectors_h = torch.linalg.svd(restricted, full_matrices=True)
+    rank = int((values > RANK_TOLERANCE * values[0]).sum()) if values.numel() and values[0] > 0 else 0
+    return basis, restricted, vectors_h, rank
+
+
+def lineality(side: OneHotSide, known: torch.Tensor) -> int:
+    """Dimension of the rows ``a`` orthogonal to ``known`` ``(k, b)`` that change no one-hot column."""
+    basis, _, _, rank = _restricted_rows(side, known)
+    return int(basis.shape[1]) - rank
+
+
+def single_sample_mask(
+    side: OneHotSide, candidates: torch.Tensor, *, tolerance: ZeroTolerance
+) -> torch.Tensor:
+    """``(c,)`` bool: candidates whose zeros' rows of ``L`` leave a one-dimensional kernel.
+
+    A mixture of ``k`` samples vanishes on the neurons inactive for all of them, and those rows
+    of ``L`` are orthogonal to each of the ``k`` directions: a ``k``-dimensional kernel. A sample's
+    own inactive neurons (at least ``b - 1`` of them, in general position) leave only its direction.
+    """
+    if candidates.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool, device=candidates.device)
+    unit = candidates / candidates.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    zeros = ((unit.to(side.left) @ side.left.T).abs() <= tolerance.absolute).to(side.left.dtype)  # (c, m')
+    grams = torch.einsum("cm,mi,mj->cij", zeros, side.left, side.left)
+    eigenvalues = torch.linalg.eigvalsh(grams)  # ascending
+    limit = max(10.0 * tolerance.absolute, KERNEL_FLOOR) ** 2 * zeros.sum(dim=1, keepdim=True)
+    return (eigenvalues <= limit).sum(dim=1) == 1
+
+
+def cutting_directions(side: OneHotSide, candidates: torch.Tensor, *, target: int = 1) -> torch.Tensor | None:
+    """A few of the ``(c, b)`` candidate directions, in order, that bring the lineality down to ``target``.
+
+    Greedy: a candidate is kept when it lowers the lineality. A sample's direction that lowers
+    it belongs to a near-twin (a sample with unique categories is orthogonal to the twins'
+    differences); a wrong one (pass candidates that :func:`single_sample_mask` keeps) cuts off
+    only the samples it mixes, and the pool rejects what is not a sample. None when all of them
+    together do not reach ``target``.
+    """
+    b = side.batch_size
+    known = side.right.new_zeros(0, b)
+    current = lineality(side, known)
+    for index in range(candidates.shape[0]):
+        if current <= target or known.shape[0] >= b - 1:
+            break
+        trial = torch.cat([known, candidates[index : index + 1].to(known)], dim=0)
+        value = lineality(side, trial)
+        if value < current:
+            known, current = trial, value
+    return known if current <= target else None
 
 
 def _null_vector(restricted: torch.Tensor) -> torch.Tensor:
@@ -333,6 +389,9 @@ __all__ = [
     "RANK_TOLERANCE",
     "OneHotProposals",
     "OneHotSide",
+    "cutting_directions",
+    "lineality",
     "one_hot_proposals",
     "one_hot_rows",
+    "single_sample_mask",
 ]
