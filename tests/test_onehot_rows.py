@@ -77,7 +77,7 @@ def test_enumeration_finds_exactly_the_one_hot_vectors_of_a_row_space() -> None:
     # a row space spanned by 4 one-hot rows (mixed by a random invertible matrix)
     span = torch.randn(4, 4, generator=generator, dtype=torch.float64) @ chosen
     _, _, vectors_h = torch.linalg.svd(span, full_matrices=True)
-    found = one_hot_rows(vectors_h[4:], groups, 9)
+    found = one_hot_rows(vectors_h[4:], groups=groups, width=9)
     assert found is not None
     basis = vectors_h[:4]  # orthonormal rows spanning the row space
     members = [p for p in every if float((p - basis.T @ (basis @ p)).norm()) < 1e-9]

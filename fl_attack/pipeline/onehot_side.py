@@ -132,7 +132,7 @@ def _sums(columns: list[list[int]], table: torch.Tensor) -> tuple[torch.Tensor, 
     return sums, chosen
 
 
-def one_hot_rows(complement: torch.Tensor, groups: list[list[int]], width: int) -> torch.Tensor | None:
+def one_hot_rows(complement: torch.Tensor, *, groups: list[list[int]], width: int) -> torch.Tensor | None:
     """``(k, width)`` every one-hot vector ``p`` (one 1 per group) with ``complement @ p ~= 0``.
 
     ``groups`` index the ``width`` columns; None when a half of the enumeration would exceed
@@ -299,7 +299,7 @@ def one_hot_proposals(
     lineality = basis.shape[1] - rank
     if lineality >= 2:
         return OneHotProposals(empty.directions, 0, lineality)
-    rows = one_hot_rows(vectors_h[rank:], local, len(columns))
+    rows = one_hot_rows(vectors_h[rank:], groups=local, width=len(columns))
     if rows is None or rows.shape[0] == 0:
         return OneHotProposals(empty.directions, 0, lineality)
     coordinates = torch.linalg.lstsq(restricted.T, rows.T).solution  # (d, k)
