@@ -59,6 +59,9 @@ MAX_ROWS = 20_000
 #: Smallest singular value per row below which a pattern's rows count as sharing a kernel.
 KERNEL_FLOOR = 1e-6
 
+#: One-hot vectors whose single input is checked at once (one Gram matrix each).
+POINT_CHUNK = 512
+
 #: One-hot vectors whose lines are scanned at once (each holds ``m + 1`` Gram matrices).
 LINE_CHUNK = 16
 
@@ -178,20 +181,17 @@ def one_hot_rows(complement: torch.Tensor, *, groups: list[list[int]], width: in
 
 def _pattern_kernels(
     left: torch.Tensor, inactive: torch.Tensor, *, minimum: int, limit: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernels of the inactive rows of ``left`` for ``(p, m')`` patterns: ``(hits,)`` mask and ``(h, b)`` vectors."""
+) -> torch.Tensor:
+    """``(h, b)`` kernels of the inactive rows of ``left`` for those of the ``(p, m')`` patterns that have one."""
     counts = inactive.sum(dim=1)
     usable = counts >= minimum
-    hits = torch.zeros(inactive.shape[0], dtype=torch.bool, device=left.device)
     if not bool(usable.any()):
-        return hits, left.new_zeros(0, left.shape[1])
+        return left.new_zeros(0, left.shape[1])
     chosen = inactive[usable].to(left.dtype)
     grams = torch.einsum("pm,mi,mj->pij", chosen, left, left)
     eigenvalues, eigenvectors = torch.linalg.eigh(grams)
     residual = eigenvalues[:, 0].clamp_min(0).sqrt() / counts[usable].to(left.dtype).sqrt()
-    good = residual <= limit
-    hits[torch.nonzero(usable).flatten()[good]] = True
-    return hits, eigenvectors[good, :, 0]
+    return eigenvectors[residual <= limit, :, 0]
 
 
 def _line_kernels(
@@ -272,7 +272,7 @@ def one_hot_proposals(
     min_zeros
         Patterns with fewer inactive neurons (and fewer than ``b - 1``) are not considered.
     deadline
-        ``time.perf_counter()`` value after which no further line is scanned.
+        ``time.perf_counter()`` value after which no further chunk of rows is checked.
 
     Returns
     -------
@@ -292,9 +292,10 @@ def one_hot_proposals(
     if not columns or expired(deadline):
         return empty
     local: list[list[int]] = []  # the groups as positions among ``columns``
+    offset = 0
     for group in side.groups:
-        start = len(local) and local[-1][-1] + 1
-        local.append(list(range(start, start + len(group))))
+        local.append(list(range(offset, offset + len(group))))
+        offset += len(group)
     basis, restricted, vectors_h, rank = _restricted_rows(side, known)
     lineality = basis.shape[1] - rank
     if lineality >= 2:
@@ -308,7 +309,13 @@ def one_hot_proposals(
     minimum = max(min_zeros, b - 1)
     limit = max(10.0 * tolerance.absolute, KERNEL_FLOOR)
     if lineality == 0:
-        _, directions = _pattern_kernels(side.left, offsets <= 0, minimum=minimum, limit=limit)
+        found = []
+        for start in range(0, offsets.shape[0], POINT_CHUNK):
+            if expired(deadline):
+                break
+            chunk = offsets[start : start + POINT_CHUNK] <= 0
+            found.append(_pattern_kernels(side.left, chunk, minimum=minimum, limit=limit))
+        directions = torch.cat(found, dim=0) if found else side.left.new_zeros(0, b)
     else:
         line = basis @ _null_vector(restricted)
         slope = side.pre_activation_basis @ line
