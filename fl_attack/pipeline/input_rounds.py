@@ -12,6 +12,11 @@ it: the inputs of layer 5 of SPEAR's victim are alike (mean pairwise cosine 0.8)
 gradient columns have a quarter of the informative neurons at zero, below SPEAR's sparsity
 threshold, so the sphere search proposes sparse mixtures by the thousand while every cone vertex
 is one sample, exact to the float rounding.
+
+Where the update shows one-hot column groups (:mod:`fl_attack.pipeline.onehot_groups`: tabular
+rows, whose signed continuous columns leave the cone empty), the sweep first tries the one-hot
+rows (:mod:`fl_attack.pipeline.onehot_side`), and :mod:`fl_attack.pipeline.onehot_rounds` tries
+them again after each of the attack's rounds where near-twins left them ambiguous.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from fl_attack.pipeline.input_side import (
     gradient_directions,
 )
 from fl_attack.pipeline.missing_samples import reach_samples, some_feature_dead
+from fl_attack.pipeline.onehot_rounds import onehot_between
+from fl_attack.pipeline.onehot_side import one_hot_proposals
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import deduplicate, zero_masks
 
@@ -51,9 +58,11 @@ SWEEP_EXTRA_ZEROS = 2
 def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> torch.Tensor | None:
     """Gradient-side directions of the samples reached by a sweep of the cone, or None where it does not run.
 
-    It runs where some input feature is zero for the whole batch and the input side applies
-    (``state.input_side.get``); ``b`` programmes steered apart by the directions found
-    (:func:`~fl_attack.pipeline.missing_samples.reach_samples`), stopped after
+    It runs where some input feature is zero for the whole batch. Where the update shows one-hot
+    groups and their rows pin samples, those samples' directions are the sweep (``state.stats``:
+    ``onehot_lineality``, ``onehot_rows``, ``onehot_sweep``, ``onehot_sweep_seconds``);
+    otherwise, where the input side applies (``state.input_side.get``), ``b`` programmes steered
+    apart by the directions found (:func:`~fl_attack.pipeline.missing_samples.reach_samples`), stopped after
     ``SWEEP_SHARE`` of the search time. The samples reached set ``state.pool.weak_min_zeros``
     (see ``SWEEP_EXTRA_ZEROS``). ``state.stats`` records ``input_side_sweep`` (the proposals),
     ``input_side_sweep_reached``, ``input_side_sweep_seconds`` and ``weak_min_zeros``.
@@ -73,6 +82,9 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
     slot = state.input_side
     if slot is None or state.factors.batch_size < 2 or not some_feature_dead(state, scorer):
         return None
+    onehot = _onehot_sweep(state, slot)
+    if onehot is not None:
+        return onehot
     side = slot.get(state)
     if side is None:
         return None
@@ -92,12 +104,7 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
         generator=torch.Generator().manual_seed(state.generator.initial_seed()),
         deadline=until,
     )
-    slot.swept_samples = int(reached.shape[0])
-    if reached.shape[0]:
-        # a sample reached on the input side, with fewer gradient zeros than the weak threshold, is
-        # still a sample (alike inputs leave some with a fifth of the informative neurons at zero)
-        fewest = int(zero_masks(state.factors, reached, pool.tolerance).sum(dim=1).min())
-        pool.weak_min_zeros = min(pool.weak_min_zeros, max(b + SWEEP_EXTRA_ZEROS, fewest))
+    _record_reached(state, slot, reached)
     state.stats.update(
         input_side="used",
         input_side_sweep=int(proposals.shape[0]),
@@ -106,6 +113,50 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
         weak_min_zeros=pool.weak_min_zeros,
     )
     return proposals
+
+
+def _record_reached(state: SearchContext, slot: InputSideSlot, reached: torch.Tensor) -> None:
+    """Remember the samples a sweep reached, and lower the weak threshold to the fewest zeros among them."""
+    slot.swept_samples = int(reached.shape[0])
+    if reached.shape[0]:
+        # a sample reached on the input side, with fewer gradient zeros than the weak threshold, is
+        # still a sample (alike inputs leave some with a fifth of the informative neurons at zero)
+        pool, b = state.pool, state.factors.batch_size
+        fewest = int(zero_masks(state.factors, reached, pool.tolerance).sum(dim=1).min())
+        pool.weak_min_zeros = min(pool.weak_min_zeros, max(b + SWEEP_EXTRA_ZEROS, fewest))
+
+
+def _onehot_sweep(state: SearchContext, slot: InputSideSlot) -> torch.Tensor | None:
+    """Directions of the samples pinned by their one-hot rows (:mod:`fl_attack.pipeline.onehot_side`).
+
+    None where the update shows no one-hot group or the rows pin no sample (lineality 2 or
+    more: the missing-sample proposals try again with the directions the search trusts).
+    """
+    side = slot.get_onehot(state)
+    if side is None:
+        return None
+    started = time.perf_counter()
+    b = state.factors.batch_size
+    result = one_hot_proposals(
+        side,
+        state.factors.left.new_zeros(0, b),
+        tolerance=state.pool.tolerance,
+        min_zeros=b + SWEEP_EXTRA_ZEROS,
+        deadline=min(
+            state.deadline, started + max(MIN_ROUND_SECONDS, SWEEP_SHARE * (state.deadline - started))
+        ),
+    )
+    state.stats.update(
+        onehot_lineality=result.lineality,
+        onehot_rows=result.one_hot_rows,
+        onehot_sweep=int(result.directions.shape[0]),
+        onehot_sweep_seconds=time.perf_counter() - started,
+    )
+    if result.directions.shape[0] == 0:
+        return None
+    _record_reached(state, slot, result.directions)
+    state.stats.update(input_side="used", weak_min_zeros=state.pool.weak_min_zeros)
+    return result.directions
 
 
 def interleave_input_side(
@@ -147,7 +198,7 @@ def interleave_input_side(
     swept = sweep_proposals(state, scorer)
     if swept is not None:
         yield swept
-    rounds = _timed(proposals)
+    rounds = onehot_between(_timed(proposals), state)
     first = next(rounds, None)
     if first is None:
         return

@@ -39,6 +39,8 @@ from scipy.optimize import linprog
 from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
+from fl_attack.pipeline.onehot_groups import detect_onehot_groups
+from fl_attack.pipeline.onehot_side import OneHotSide
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance, refine_on_zeros
 
@@ -394,11 +396,41 @@ class InputSideSlot:
     ready: bool = False
     tried: list[torch.Tensor] = field(default_factory=list)  # known sets of the missing-sample programmes
     swept_samples: int = 0  # samples the sweep before the first round reached (each a vertex with a kernel)
+    onehot: OneHotSide | None = None
+    onehot_ready: bool = False
+    onehot_tried: list[torch.Tensor] = field(default_factory=list)  # known sets of the one-hot proposals
 
     def get(self, state: SearchContext) -> InputSide | None:
         if not self.ready:
             self.side, self.ready = _usable_input_side(state, self.scorer), True
         return self.side
+
+    def get_onehot(self, state: SearchContext) -> OneHotSide | None:
+        """The factors seen through the one-hot groups the update shows, or None where it shows none.
+
+        ``state.stats["onehot_groups"]`` records how many groups were detected.
+        """
+        if not self.onehot_ready:
+            self.onehot_ready = True
+            factors, update = state.factors, self.scorer.update
+            if factors.batch_size >= 2 and not state.noisy:
+                relative_zero = state.pool.tolerance.absolute * math.sqrt(update.width)
+                groups = detect_onehot_groups(
+                    update.weight_grad,
+                    update.bias_grad,
+                    live=live_features(factors, relative_zero=relative_zero),
+                    unit_roundoff=update.unit_roundoff,
+                )
+                state.stats["onehot_groups"] = len(groups)
+                if len(groups):
+                    self.onehot = OneHotSide(
+                        right=factors.right,
+                        groups=groups.groups,
+                        left=factors.left,
+                        pre_activation_basis=self.scorer.pre_activation_basis[state.active],
+                        bias=update.bias[state.active],
+                    )
+        return self.onehot
 
 
 def _usable_input_side(state: SearchContext, scorer: SparsityMatchingScorer) -> InputSide | None:

@@ -30,6 +30,7 @@ from fl_attack.pipeline.candidates import is_member
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions, live_features
 from fl_attack.pipeline.last_direction import scan_missing_directions
+from fl_attack.pipeline.onehot_rounds import onehot_missing
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance
 
@@ -237,6 +238,9 @@ def missing_direction_proposals(
         state.stats["missing_sample_proposals"] = count
         if proposals.shape[0]:
             return proposals
+    onehot = onehot_missing(state, trusted)
+    if onehot.shape[0]:
+        return onehot
     if missing not in (1, 2):
         return state.factors.left.new_zeros(0, b)
     proposals = scan_missing_directions(
