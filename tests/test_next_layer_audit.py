@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,8 +38,16 @@ from fl_attack.audit import Auditor  # noqa: E402
 from fl_attack.audit.layer import LayerDelta, select_layer  # noqa: E402
 from fl_attack.audit.next_layer_stage import with_next_layer  # noqa: E402
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate  # noqa: E402
+from fl_attack.audit.prepare import prepare_unit, round_layer  # noqa: E402
+from fl_attack.audit.units import Prepared  # noqa: E402
+from fl_attack.audit.verdict import decide_verdict  # noqa: E402
 from fl_attack.data.images import load_dataset  # noqa: E402
-from fl_attack.vocabulary import EXACT_RELATIVE_ERROR, VERDICT_APPROXIMATE  # noqa: E402
+from fl_attack.vocabulary import (  # noqa: E402
+    EXACT_RELATIVE_ERROR,
+    VERDICT_APPROXIMATE,
+    VERDICT_EXACT,
+    VERDICT_TIMEOUT,
+)
 
 
 def _arrays(net: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -130,3 +139,74 @@ def test_only_a_layer_after_other_layers_gets_a_following_layer() -> None:
     first = {key: value for key, value in arrays.items() if not key.startswith("conv")}
     assert select_layer(first).following is None  # raw inputs: the route needs ReLU features
     assert select_layer(arrays, weight_key="fc2.weight").following is None  # nothing follows
+
+
+def test_rows_of_the_route_make_an_approximate_verdict_that_counts_them() -> None:
+    attack = {
+        "batch_size": 32,
+        "directions_found": 32,
+        "complete": False,
+        "stopped_by": "time_budget",
+        "sparsity_matching": 0.6,
+    }
+    figures: dict[str, Any] = {
+        "status": "ok",
+        "error": None,
+        "signature": lambda: None,
+        "magnitude_concentration": 0.0,
+    }
+    # without the route: the exact attack's own verdict
+    assert decide_verdict(attack=attack, input_space="features", **figures).verdict == VERDICT_TIMEOUT
+    merged = attack | {"next_layer_checked": 0, "next_layer_unchecked": 5}
+    verdict = decide_verdict(attack=merged, input_space="features", **figures)
+    assert verdict.verdict == VERDICT_APPROXIMATE
+    assert verdict.reason.startswith(
+        "0 of 32 samples recovered and confirmed by the next-layer route (from the following layer's update"
+    )
+    assert "5 more found by it without that confirmation (not claimed), 27 not found by it" in verdict.reason
+    # a merged batch the whole-batch self-check passed is judged as any complete one
+    complete = merged | {"complete": True, "noisy": False, "min_confidence": 1.0}
+    assert decide_verdict(attack=complete, input_space="features", **figures).verdict == VERDICT_EXACT
+
+
+def test_one_clients_update_keeps_the_next_layers_change_and_a_sum_does_not() -> None:
+    rng = np.random.default_rng(0)
+    global_arrays = {
+        "conv.weight": rng.standard_normal((2, 1, 3, 3)).astype(np.float32),
+        "fc1.weight": rng.standard_normal((5, 8)).astype(np.float32),
+        "fc1.bias": rng.standard_normal(5).astype(np.float32),
+        "fc2.weight": rng.standard_normal((4, 5)).astype(np.float32),
+    }
+    layer = select_layer(global_arrays)
+    assert layer.weight == "fc1.weight" and layer.following == "fc2.weight"
+    round_arrays = round_layer(global_arrays, layer)
+    change = {key: rng.standard_normal(value.shape) for key, value in global_arrays.items()}
+    members = [
+        ClientUpdate(
+            identity=ClientIdentity(node_id=node),
+            arrays={key: (value + change[key]).astype(dtype) for key, value in global_arrays.items()},
+        )
+        for node, dtype in ((1, np.float32), (2, np.float64))
+    ]
+    for member in members:  # kept as sent (float32) or subtracted at once (float64)
+        prepared = prepare_unit(1, [member], round_arrays, layer=layer, quantization=None, seed=0)
+        assert isinstance(prepared, Prepared)
+        assert member.arrays is not None
+        expected = member.arrays["fc2.weight"].astype(np.float64) - global_arrays["fc2.weight"].astype(
+            np.float64
+        )
+        following = prepared.delta.next_weight_delta
+        assert following is not None and np.array_equal(following, expected)
+    summed = prepare_unit(1, members, round_arrays, layer=layer, quantization=None, seed=0)
+    assert isinstance(summed, Prepared) and summed.delta.next_weight_delta is None
+    # a reply without the next layer still gets its attack, without the route
+    without = {key: value for key, value in members[0].arrays.items() if key != "fc2.weight"}  # type: ignore[union-attr]
+    alone = prepare_unit(
+        1,
+        [ClientUpdate(identity=ClientIdentity(node_id=3), arrays=without)],
+        round_arrays,
+        layer=layer,
+        quantization=None,
+        seed=0,
+    )
+    assert isinstance(alone, Prepared) and alone.delta.next_weight_delta is None

@@ -240,6 +240,14 @@ def _cosine(first: np.ndarray, second: np.ndarray) -> float:
     return abs(float(first @ second)) / norms if norms > 0 else 0.0
 
 
+def _same_sample(inputs: np.ndarray, approximate: np.ndarray, other: RecoveredSample) -> bool:
+    """Whether a solution repeats ``other``: by the exact inputs, or by the approximate ones where an
+    exact step failed (its input is zero; approximate inputs cannot tell look-alike samples apart)."""
+    if np.any(inputs) and np.any(other.inputs):
+        return _cosine(inputs, other.inputs) > DUPLICATE_COSINE
+    return _cosine(approximate, other.approximate) > DUPLICATE_COSINE
+
+
 def _random_starts(
     rng: np.random.Generator, space: np.ndarray, inputs_map: np.ndarray, bias: np.ndarray, count: int
 ) -> np.ndarray:
@@ -335,7 +343,7 @@ def recover_from_next_layer(
         inputs_map = full_map @ reduced
         points = _random_starts(rng, basis @ reduced, inputs_map, observed.bias, starts)
         for point in smooth_starts(inputs_map, observed.bias, outside, points):
-            if out_of_time():
+            if out_of_time() or len(samples) == batch_size:
                 break
             solved, residual = pattern_iteration(point, inputs_map, observed.bias, outside)
             if residual > MAX_DEFLATED_RESIDUAL:
@@ -352,7 +360,7 @@ def recover_from_next_layer(
                 continue
             approximate = basis @ solved
             inputs, input_kernel, gap = exact_from_zeros(augmented, approximate)
-            if any(_cosine(inputs, other.inputs) > DUPLICATE_COSINE for other in samples):
+            if any(_same_sample(inputs, approximate, other) for other in samples):
                 continue
             if pattern_kernel < DEFLATE_KERNEL:
                 deflating.append(right[-1])

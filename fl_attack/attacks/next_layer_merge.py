@@ -139,7 +139,8 @@ def complete_with_next_layer(
     -------
     Reconstruction
         ``reconstruction`` itself when it is complete, has no self-check, or its batch size
-        is not below both layers' widths; else the merged result, whose ``stats`` add
+        is not below both layers' widths; the same rows when the route found none; else the
+        merged result. The ``stats`` add
         ``next_layer_found``, ``next_layer_checked``, ``next_layer_unchecked`` (rows kept of
         each kind), ``next_layer_attack_rows`` (the exact attack's rows kept),
         ``next_layer_rounds`` and ``next_layer_seconds``.
@@ -159,8 +160,7 @@ def complete_with_next_layer(
         next_layer_rounds=route.rounds,
         next_layer_seconds=route.seconds,
     )
-    if not route.samples or not route.verified.any():
-        # nothing the route can vouch for: the exact attack's rows and verdict stand
+    if not route.samples:
         return dataclasses.replace(
             reconstruction, stats=stats, seconds=reconstruction.seconds + route.seconds
         )

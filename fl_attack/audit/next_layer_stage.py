@@ -7,8 +7,9 @@ recover the batch whole, :func:`with_next_layer` runs
 :func:`fl_attack.attacks.next_layer_merge.complete_with_next_layer` on it, in the same worker,
 for :data:`fl_attack.attacks.next_layer_merge.NEXT_LAYER_SHARE` of the attack's time budget
 after the attack (the default hard timeout, 1.5 times the budget plus 15 s, leaves room for it).
-Its checked rows are merged and counted in the reconstruction's statistics
-(``next_layer_checked``, ...), which the verdict reads.
+Its rows are merged (those its own check confirmed are claimed, the others only kept) and
+counted in the reconstruction's statistics (``next_layer_checked``, ``next_layer_unchecked``,
+...), which the verdict reads.
 """
 
 from __future__ import annotations

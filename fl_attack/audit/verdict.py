@@ -189,7 +189,10 @@ def decide_verdict(
                 f"all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f}{precise})"
                 + _features_note(input_space),
             )
-        if not complete and int(attack.get("next_layer_checked", 0) or 0) > 0:
+        merged = int(attack.get("next_layer_checked", 0) or 0) + int(
+            attack.get("next_layer_unchecked", 0) or 0
+        )
+        if not complete and merged > 0:
             return Verdict(VERDICT_APPROXIMATE, _next_layer_reason(attack, b) + _features_note(input_space))
         reason = _not_applicable(signature, train_mode, num_examples) if (noisy or found < b) else None
         if reason is not None and not (complete and noisy):
