@@ -24,13 +24,14 @@ from measure_frontier import client_step  # noqa: E402
 
 from clients.ground_truth import layer_inputs  # noqa: E402
 from fl_attack import get_attack  # noqa: E402
-from fl_attack.attacks.next_layer import NextLayerResult, RecoveredSample  # noqa: E402
+from fl_attack.attacks.next_layer import NextLayerObservation, NextLayerResult, RecoveredSample  # noqa: E402
 from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     DUPLICATE,
     EXACT_ATTACK,
     EXACT_ATTACK_WEAK,
     ROUTE_CHECKED,
     ROUTE_UNCHECKED,
+    batch_matching,
     merged_rows,
     route_budget,
 )
@@ -42,6 +43,7 @@ from fl_attack.audit.prepare import prepare_unit, round_layer  # noqa: E402
 from fl_attack.audit.units import Prepared  # noqa: E402
 from fl_attack.audit.verdict import decide_verdict  # noqa: E402
 from fl_attack.data.images import load_dataset  # noqa: E402
+from fl_attack.pipeline.decompose import decompose  # noqa: E402
 from fl_attack.vocabulary import (  # noqa: E402
     EXACT_RELATIVE_ERROR,
     VERDICT_APPROXIMATE,
@@ -210,3 +212,25 @@ def test_one_clients_update_keeps_the_next_layers_change_and_a_sum_does_not() ->
         seed=0,
     )
     assert isinstance(alone, Prepared) and alone.delta.next_weight_delta is None
+
+
+def test_batch_matching_scores_a_true_batch_as_spear_does_and_a_wrong_row_lower() -> None:
+    rng = np.random.default_rng(3)
+    batch, width, inputs = 4, 30, 12
+    rows = np.maximum(rng.standard_normal((batch, inputs)), 0.0)
+    weight, bias = rng.standard_normal((width, inputs)), rng.standard_normal(width)
+    active = (rows @ weight.T + bias > 0).astype(float)  # (batch, width)
+    output_grads = rng.standard_normal((batch, width)) * active
+    observed = NextLayerObservation(
+        weight=weight,
+        bias=bias,
+        weight_update=output_grads.T @ rows,
+        bias_update=output_grads.sum(0),
+        next_weight_update=rng.standard_normal((6, width)),
+    )
+    factors = decompose(torch.from_numpy(observed.weight_update), batch_size=batch)
+    matching = batch_matching(rows, observed=observed, factors=factors, relative_noise=1e-12)
+    assert np.array_equal(matching, np.ones(batch))
+    wrong = rows.copy()
+    wrong[1] = rng.random(inputs)
+    assert batch_matching(wrong, observed=observed, factors=factors, relative_noise=1e-12).min() < 0.9

@@ -28,13 +28,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack.pipeline.decompose import decompose
+from fl_attack.pipeline.decompose import LowRankFactors, decompose
+from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.self_check import self_check
+from fl_attack.pipeline.sparsity import ZeroTolerance
 from fl_attack.reconstruction import Reconstruction
+from fl_attack.types import ObservedUpdate
 
 from .next_layer import DUPLICATE_COSINE, NextLayerObservation, NextLayerResult, recover_from_next_layer
 
-__all__ = ["CONFIDENT_MATCHING", "NEXT_LAYER_SHARE", "complete_with_next_layer", "route_budget"]
+__all__ = [
+    "CONFIDENT_MATCHING",
+    "NEXT_LAYER_SHARE",
+    "batch_matching",
+    "complete_with_next_layer",
+    "merged_rows",
+    "route_budget",
+]
 
 #: The route spends this share of the attack's time budget, after the exact attack.
 NEXT_LAYER_SHARE = 0.5
@@ -77,6 +87,30 @@ def pattern_agreement(
         column = left @ np.linalg.svd(left[inactive])[2][-1]
         agreement[row] = float(np.mean((np.abs(column) <= threshold) == inactive))
     return agreement
+
+
+def batch_matching(
+    rows: np.ndarray, *, observed: NextLayerObservation, factors: LowRankFactors, relative_noise: float
+) -> np.ndarray:
+    """Per-sample sparsity matching of a whole batch of ``b`` rows, as SPEAR++ scores its own.
+
+    The rows fix the disaggregation matrix (``X = Q^-1 R``); its columns are the samples'
+    gradient directions, scored by :class:`fl_attack.pipeline.select.SparsityMatchingScorer`
+    with SPEAR++'s zero tolerance. Meaningful only when every row is a sample: one wrong row
+    changes every direction.
+    """
+    update = ObservedUpdate.from_arrays(
+        observed.weight_update,
+        observed.bias_update,
+        weight=observed.weight,
+        bias=observed.bias,
+        device=torch.device("cpu"),
+    )
+    tolerance = ZeroTolerance.from_noise(relative_noise, width=update.width, factor=ZERO_TOLERANCE_FACTOR)
+    scorer = SparsityMatchingScorer(update, factors, tolerance)
+    inverse = torch.from_numpy(rows) @ torch.linalg.pinv(factors.right)
+    per_sample, _ = scorer.score(torch.linalg.inv(inverse).T)
+    return np.asarray(per_sample.numpy(), dtype=np.float64)
 
 
 def _cosine(first: np.ndarray, second: np.ndarray) -> float:
@@ -143,7 +177,9 @@ def complete_with_next_layer(
         merged result. The ``stats`` add
         ``next_layer_found``, ``next_layer_checked``, ``next_layer_unchecked`` (rows kept of
         each kind), ``next_layer_attack_rows`` (the exact attack's rows kept),
-        ``next_layer_rounds`` and ``next_layer_seconds``.
+        ``next_layer_rounds`` and ``next_layer_seconds``. ``confidence`` is the exact attack's
+        for its rows and :func:`pattern_agreement` for the route's; for a complete batch, every
+        row's :func:`batch_matching` (what SPEAR++ reports for its own complete batches).
     """
     b = reconstruction.batch_size
     m, following = observed.weight.shape[0], observed.next_weight_update.shape[0]
@@ -194,11 +230,14 @@ def complete_with_next_layer(
         found=torch.from_numpy(claimed),
     )
     stats.update(check.stats())
+    complete = bool(claimed.all()) and check.passed
+    if complete:  # a whole batch: the same per-sample matching as SPEAR++'s own complete batches
+        confidence = batch_matching(rows, observed=observed, factors=factors, relative_noise=relative_noise)
     return dataclasses.replace(
         reconstruction,
         inputs=inputs,
         confidence=torch.from_numpy(confidence),
-        complete=bool(claimed.all()) and check.passed,
+        complete=complete,
         sparsity_matching=float(confidence.mean()),
         seconds=reconstruction.seconds + route.seconds,
         stats=stats,
