@@ -240,6 +240,14 @@ def _cosine(first: np.ndarray, second: np.ndarray) -> float:
     return abs(float(first @ second)) / norms if norms > 0 else 0.0
 
 
+def _same_sample(inputs: np.ndarray, approximate: np.ndarray, other: RecoveredSample) -> bool:
+    """Whether a solution repeats ``other``: by the exact inputs, or by the approximate ones where an
+    exact step failed (its input is zero; approximate inputs cannot tell look-alike samples apart)."""
+    if np.any(inputs) and np.any(other.inputs):
+        return _cosine(inputs, other.inputs) > DUPLICATE_COSINE
+    return _cosine(approximate, other.approximate) > DUPLICATE_COSINE
+
+
 def _random_starts(
     rng: np.random.Generator, space: np.ndarray, inputs_map: np.ndarray, bias: np.ndarray, count: int
 ) -> np.ndarray:
@@ -259,6 +267,7 @@ def recover_from_next_layer(
     starts: int = 100,
     seed: int = 0,
     max_rounds: int | None = None,
+    min_rounds: int = 0,
     verify_ratio: float = 1e-4,
 ) -> NextLayerResult:
     """Find the batch's inputs of the attacked layer from its update and the next layer's.
@@ -277,6 +286,9 @@ def recover_from_next_layer(
         Fixes the starts.
     max_rounds
         Stop after this many rounds (None: only the budget or a full batch stops the search).
+    min_rounds
+        Finish this many rounds even past the budget (a fixed amount of work: the first
+        round's result does not depend on the machine's speed).
     verify_ratio
         A sample is verified when its input-side kernel over the gap to the next singular value
         (the perturbation bound on the solved direction's error, up to the noise's scale) is
@@ -297,9 +309,10 @@ def recover_from_next_layer(
     m = observed.weight.shape[0]
     if not 1 <= batch_size < m:
         raise ValueError(f"batch_size must be in [1, {m - 1}] for a layer of width {m}, got {batch_size}")
-    if starts < 1 or not time_budget > 0 or (max_rounds is not None and max_rounds < 1):
+    if starts < 1 or not time_budget > 0 or (max_rounds is not None and max_rounds < 1) or min_rounds < 0:
         raise ValueError(
-            f"starts, time_budget and max_rounds must be positive, got {starts}, {time_budget}, {max_rounds}"
+            f"starts, time_budget and max_rounds must be positive and min_rounds non-negative, got {starts}, "
+            f"{time_budget}, {max_rounds}, {min_rounds}"
         )
     following = observed.next_weight_update.shape[0]
     if batch_size >= following:
@@ -318,7 +331,11 @@ def recover_from_next_layer(
     deflating: list[np.ndarray] = []
     rounds = 0
     started = time.perf_counter()
-    while time.perf_counter() - started < time_budget and len(samples) < batch_size:
+
+    def out_of_time() -> bool:
+        return rounds > min_rounds and time.perf_counter() - started > time_budget
+
+    while (rounds < min_rounds or time.perf_counter() - started < time_budget) and len(samples) < batch_size:
         if max_rounds is not None and rounds >= max_rounds:
             break
         rounds += 1
@@ -326,7 +343,7 @@ def recover_from_next_layer(
         inputs_map = full_map @ reduced
         points = _random_starts(rng, basis @ reduced, inputs_map, observed.bias, starts)
         for point in smooth_starts(inputs_map, observed.bias, outside, points):
-            if time.perf_counter() - started > time_budget:
+            if out_of_time() or len(samples) == batch_size:
                 break
             solved, residual = pattern_iteration(point, inputs_map, observed.bias, outside)
             if residual > MAX_DEFLATED_RESIDUAL:
@@ -343,7 +360,7 @@ def recover_from_next_layer(
                 continue
             approximate = basis @ solved
             inputs, input_kernel, gap = exact_from_zeros(augmented, approximate)
-            if any(_cosine(inputs, other.inputs) > DUPLICATE_COSINE for other in samples):
+            if any(_same_sample(inputs, approximate, other) for other in samples):
                 continue
             if pattern_kernel < DEFLATE_KERNEL:
                 deflating.append(right[-1])

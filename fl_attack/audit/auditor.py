@@ -24,11 +24,11 @@ from fl_attack.validation import check_batch_size, check_time_budget
 from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
 
 from .fallback import build_fallback
-from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, global_parameters, select_layer
+from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, select_layer
 from .memory import release_freed_memory
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
-from .prepare import GlobalLayer, finite_layer, prepare_unit
+from .prepare import GlobalLayer, finite_layer, prepare_unit, round_layer
 from .selection import select_units
 from .signature import UpdateSignature, magnitude_concentration, update_signature
 from .spill import SPILL_FOLDER, QueueSpill
@@ -206,9 +206,8 @@ class Auditor:
         return self.layer
 
     def start_round(self, server_round: int, global_arrays: NamedArrays) -> None:
-        """Remember the global layer (and the head that directly follows it) sent in ``server_round``."""
-        layer = self.select_layer(global_arrays)
-        self._global_layer[server_round] = global_parameters(global_arrays, layer)
+        """Remember the global layer (and the layer that directly follows it) sent in ``server_round``."""
+        self._global_layer[server_round] = round_layer(global_arrays, self.select_layer(global_arrays))
 
     def audit_round(self, server_round: int, updates: Sequence[ClientUpdate]) -> list[AttackRecord]:
         """Attack the selected updates of a round; never raises for a single failed attack.

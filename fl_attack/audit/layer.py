@@ -61,12 +61,18 @@ class LayerKeys:
         next array after the layer's bias, ``c >= 1`` outputs, and the model's last weight:
         a one-hidden-layer model); None otherwise. Its global value guides the exact attack
         (``head_weight=`` of :meth:`fl_attack.SpearPlusPlus.invert`).
+    following : str or None
+        Key of the next linear layer's ``(k, m)`` weight when it directly follows the layer
+        (the next array after the layer's bias) and layers precede the layer; None otherwise.
+        Its update lets the audit run the next-layer route (:mod:`fl_attack.audit.next_layer_stage`),
+        which needs inputs with exact zeros (ReLU features), not a model's raw inputs.
     """
 
     weight: str
     bias: str
     preceding: tuple[str, ...] = ()
     head: str | None = None
+    following: str | None = None
 
     @property
     def input_space(self) -> str:
@@ -102,12 +108,22 @@ def _head(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarra
     return rest[0] if all(named[key].ndim < 2 for key in rest[1:]) else None
 
 
+def _following(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarray]) -> str | None:
+    """The next linear layer's weight if it directly follows the layer (see :attr:`LayerKeys.following`)."""
+    rest = [key for key in keys[keys.index(weight) + 1 :] if key != bias]
+    if not rest or not _preceding(keys, weight, named):
+        return None
+    shape = named[rest[0]].shape
+    return rest[0] if len(shape) == 2 and shape[1] == named[weight].shape[0] else None
+
+
 def _layer_keys(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarray]) -> LayerKeys:
     return LayerKeys(
         weight=weight,
         bias=bias,
         preceding=_preceding(keys, weight, named),
         head=_head(keys, weight, bias, named),
+        following=_following(keys, weight, bias, named),
     )
 
 
@@ -240,13 +256,23 @@ def global_parameters(
     return weight, bias, np.array(named[layer.head], dtype=np.float64, copy=True)
 
 
+def following_weight(arrays: NamedArrays, layer: LayerKeys) -> np.ndarray | None:
+    """The global weight of the layer that directly follows (:attr:`LayerKeys.following`) as a
+    float64 copy; None without one, or when ``arrays`` lack it."""
+    keys = _canonical_keys(arrays)
+    if layer.following is None or layer.following not in keys:
+        return None
+    return np.array(arrays[keys[layer.following]], dtype=np.float64, copy=True)
+
+
 @dataclass(frozen=True)
 class LayerDelta:
     """A client's change of the attacked layer and the global layer it started from (float64 numpy).
 
     This is what the server observes before any validation. ``head_weight`` is the global
     ``(c, m)`` weight of the output layer when it directly follows the attacked layer
-    (:attr:`LayerKeys.head`), else None.
+    (:attr:`LayerKeys.head`), else None. ``next_weight_delta`` is the client's change of the
+    linear layer that directly follows (:attr:`LayerKeys.following`), else None.
     """
 
     weight_delta: np.ndarray
@@ -254,6 +280,7 @@ class LayerDelta:
     weight: np.ndarray
     bias: np.ndarray
     head_weight: np.ndarray | None = None
+    next_weight_delta: np.ndarray | None = None
 
     def __add__(self, other: LayerDelta) -> LayerDelta:
         """The sum of two clients' changes of the same global layer (secure aggregation)."""
@@ -263,6 +290,9 @@ class LayerDelta:
             weight=self.weight,
             bias=self.bias,
             head_weight=self.head_weight,
+            next_weight_delta=None
+            if self.next_weight_delta is None or other.next_weight_delta is None
+            else self.next_weight_delta + other.next_weight_delta,
         )
 
 
@@ -285,6 +315,9 @@ class SentLayer:
         The float64 global layer of the round.
     head_weight : numpy.ndarray or None
         The global head weight (:attr:`LayerDelta.head_weight`).
+    next_weight, global_next_weight : numpy.ndarray or None
+        The following linear layer's weight as the client sent it, and its global value
+        (:attr:`LayerKeys.following`; never spilled); None without one.
     """
 
     weight: np.ndarray
@@ -292,6 +325,8 @@ class SentLayer:
     global_weight: np.ndarray
     global_bias: np.ndarray
     head_weight: np.ndarray | None = None
+    next_weight: np.ndarray | None = None
+    global_next_weight: np.ndarray | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _file: Path | None = field(default=None, repr=False)
     _taken: bool = field(default=False, repr=False)
@@ -304,6 +339,9 @@ class SentLayer:
             weight=self.global_weight,
             bias=self.global_bias,
             head_weight=self.head_weight,
+            next_weight_delta=None
+            if self.next_weight is None or self.global_next_weight is None
+            else np.asarray(self.next_weight, dtype=np.float64) - self.global_next_weight,
         )
 
     def spill(self, path: Path) -> bool:
@@ -365,8 +403,12 @@ def sent_layer(
     weight: np.ndarray,
     bias: np.ndarray,
     head_weight: np.ndarray | None = None,
+    next_weight: np.ndarray | None = None,
 ) -> SentLayer:
     """A client's layer as it sent it, with the global layer it started from (nothing subtracted yet).
+
+    ``next_weight`` is the global weight of the following linear layer (:func:`following_weight`):
+    the reply's one is kept beside the layer when it has that weight's shape, else neither is.
 
     Raises
     ------
@@ -381,9 +423,27 @@ def sent_layer(
             f"client layer shapes {new_weight.shape}/{new_bias.shape} differ from the global "
             f"{weight.shape}/{bias.shape}"
         )
+    sent_next = _following_sent(reply_arrays, layer, next_weight)
     return SentLayer(
-        weight=new_weight, bias=new_bias, global_weight=weight, global_bias=bias, head_weight=head_weight
+        weight=new_weight,
+        bias=new_bias,
+        global_weight=weight,
+        global_bias=bias,
+        head_weight=head_weight,
+        next_weight=sent_next,
+        global_next_weight=None if sent_next is None else next_weight,
     )
+
+
+def _following_sent(
+    reply_arrays: NamedArrays, layer: LayerKeys, next_weight: np.ndarray | None
+) -> np.ndarray | None:
+    """The reply's following-layer weight, when it has the global one's shape."""
+    keys = _canonical_keys(reply_arrays)
+    if next_weight is None or layer.following is None or layer.following not in keys:
+        return None
+    sent = _owned(reply_arrays[keys[layer.following]])
+    return sent if sent.shape == next_weight.shape else None
 
 
 def layer_delta(

@@ -15,15 +15,29 @@ import numpy as np
 
 from fl_attack.simulate.secagg import SecAggPlusQuantization
 
-from .layer import SINGLE_PRECISION, LayerKeys, SentLayer, sent_layer
+from .layer import (
+    SINGLE_PRECISION,
+    LayerKeys,
+    NamedArrays,
+    SentLayer,
+    following_weight,
+    global_parameters,
+    sent_layer,
+)
 from .observations import ClientUpdate
 from .units import Prepared, observed_sum
 
 #: The error of an update whose observed difference is not finite.
 NON_FINITE_UPDATE = "unreadable update: it contains NaN or Inf entries"
 
-#: The round's global layer: weight, bias and (None without one) the head's weight, float64.
-GlobalLayer = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+#: The round's global layer: weight, bias, the head's weight and the following linear layer's
+#: weight (each None without one), float64.
+GlobalLayer = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+
+
+def round_layer(global_arrays: NamedArrays, layer: LayerKeys) -> GlobalLayer:
+    """The round's :data:`GlobalLayer` from the global arrays it sends."""
+    return (*global_parameters(global_arrays, layer), following_weight(global_arrays, layer))
 
 
 def finite_layer(global_layer: GlobalLayer) -> bool:
@@ -91,6 +105,7 @@ def prepare_unit(
                     weight=global_layer[0],
                     bias=global_layer[1],
                     head_weight=global_layer[2],
+                    next_weight=global_layer[3],
                 )
             )
         except ValueError as error:
@@ -101,10 +116,11 @@ def prepare_unit(
         global_finite = finite_layer(global_layer)
     if len(sent) == 1 and quantization is None and global_finite and kept_as_sent(sent[0]):
         return Prepared(server_round=server_round, members=kept, update=sent[0])
-    delta = observed_sum(
-        [each.delta() for each in sent], members, quantization=quantization, seed=(seed, server_round)
-    )
+    deltas = [each.delta() for each in sent]
+    delta = observed_sum(deltas, members, quantization=quantization, seed=(seed, server_round))
     if not (np.isfinite(delta.weight_delta).all() and np.isfinite(delta.bias_delta).all()):
         return NON_FINITE_UPDATE
-    delta = dataclasses.replace(delta, head_weight=global_layer[2])  # attackers that take it get it
+    # attackers that take it get the head; one client's update keeps the next layer's (a sum does not)
+    following = deltas[0].next_weight_delta if len(deltas) == 1 and quantization is None else None
+    delta = dataclasses.replace(delta, head_weight=global_layer[2], next_weight_delta=following)
     return Prepared(server_round=server_round, members=kept, update=delta)

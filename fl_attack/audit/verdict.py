@@ -189,6 +189,11 @@ def decide_verdict(
                 f"all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f}{precise})"
                 + _features_note(input_space),
             )
+        merged = int(attack.get("next_layer_checked", 0) or 0) + int(
+            attack.get("next_layer_unchecked", 0) or 0
+        )
+        if not complete and merged > 0:
+            return Verdict(VERDICT_APPROXIMATE, _next_layer_reason(attack, b) + _features_note(input_space))
         reason = _not_applicable(signature, train_mode, num_examples) if (noisy or found < b) else None
         if reason is not None and not (complete and noisy):
             return Verdict(VERDICT_NOT_APPLICABLE, reason)
@@ -258,6 +263,18 @@ def _all_found_unconfirmed(attack: Mapping[str, Any], b: int) -> str:
             f"{float(weakest):.4f} (sparsity matching {matching:.3f}), below what the attack accepts"
         )
     return found + "the attack reported no self-check that confirms them"
+
+
+def _next_layer_reason(attack: Mapping[str, Any], b: int) -> str:
+    """Rows the next-layer route recovered (:mod:`fl_attack.audit.next_layer_stage`), checked or not."""
+    checked = int(attack.get("next_layer_checked", 0) or 0)
+    unchecked = int(attack.get("next_layer_unchecked", 0) or 0)
+    missing = max(b - checked - unchecked, 0)
+    return (
+        f"{checked} of {b} samples recovered and confirmed by the next-layer route (from the following "
+        f"layer's update, each checked by its own zero pattern without ground truth); {unchecked} more found "
+        f"by it without that confirmation (not claimed), {missing} not found by it"
+    )
 
 
 def _search_stop(attack: Mapping[str, Any]) -> str:

@@ -39,6 +39,7 @@ from fl_attack.vocabulary import (
 )
 
 from .layer import LayerDelta
+from .next_layer_stage import with_next_layer
 
 #: Seconds a new worker process may take to import the attack before it is given up.
 WORKER_STARTUP_TIMEOUT = 300.0
@@ -129,13 +130,14 @@ def accepts_head_weight(attacker: Attacker) -> bool:
 
 def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time_budget: float | None) -> Any:
     """The only call into the attacker: the observed update and the global layer (and the
-    global head weight of a one-hidden-layer model, for attackers that take it)."""
+    global head weight of a one-hidden-layer model, for attackers that take it); then the
+    next-layer route where it applies (:mod:`fl_attack.audit.next_layer_stage`)."""
     extra = (
         {}
         if update.head_weight is None or not accepts_head_weight(attacker)
         else {"head_weight": update.head_weight}
     )
-    return attacker.invert(
+    reconstruction = attacker.invert(
         update.weight_delta,
         update.bias_delta,
         weight=update.weight,
@@ -144,6 +146,8 @@ def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time
         time_budget=time_budget,
         **extra,
     )
+    budget = time_budget if time_budget is not None else getattr(attacker, "time_budget", None)
+    return with_next_layer(reconstruction, update, time_budget=budget, seed=getattr(attacker, "seed", None))
 
 
 def _failure(error: BaseException, seconds: float, trace: str | None) -> AttackResult:
