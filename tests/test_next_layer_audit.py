@@ -33,6 +33,7 @@ from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     ROUTE_UNCHECKED,
     batch_matching,
     merged_rows,
+    exact_attack_budget,
     route_budget,
 )
 from fl_attack.audit import Auditor  # noqa: E402
@@ -63,7 +64,7 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     )
     truth = layer_inputs(received, images).double().numpy()
     auditor = Auditor(
-        get_attack("spear++", device="cpu", seed=0, progress=False), batch_size=32, time_budget=4.0
+        get_attack("spear++", device="cpu", seed=0, progress=False), batch_size=32, time_budget=8.0
     )
     auditor.start_round(1, _arrays(received))
     assert auditor.layer is not None and auditor.layer.following == "fc2.weight"
@@ -87,6 +88,10 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     assert (errors[:checked] < EXACT_RELATIVE_ERROR).all()
     assert int((errors < EXACT_RELATIVE_ERROR).sum()) >= checked
     assert summary["self_check_passed"] is False
+    # the exact attack and the route share the budget: both end by it (the attack's own
+    # deadline checks allow a small overrun)
+    assert summary["next_layer_rounds"] >= 1
+    assert record.seconds <= 8.0 * 1.1 + 1.0, record.seconds
 
 
 def _sample(inputs: np.ndarray, *, verified: bool) -> RecoveredSample:
@@ -125,7 +130,9 @@ def test_the_stage_leaves_updates_without_a_next_layer_or_complete_results_alone
     update = LayerDelta(zeros, np.zeros(3), zeros, np.zeros(3))
     marker = object()
     assert with_next_layer(marker, update, time_budget=1.0, seed=0) is marker
-    assert route_budget(10.0) == 5.0 and route_budget(None) == route_budget(math.inf) == 60.0
+    assert exact_attack_budget(10.0) == 5.0 and exact_attack_budget(None) is None
+    assert route_budget(3.5) == 3.5 and route_budget(-0.2) == 0.0
+    assert route_budget(None) == route_budget(math.inf) == 60.0
 
 
 def test_only_a_layer_after_other_layers_gets_a_following_layer() -> None:

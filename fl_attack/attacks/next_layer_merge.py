@@ -42,14 +42,18 @@ __all__ = [
     "NEXT_LAYER_SHARE",
     "batch_matching",
     "complete_with_next_layer",
+    "exact_attack_budget",
     "merged_rows",
     "route_budget",
 ]
 
-#: The route spends this share of the attack's time budget, after the exact attack.
+#: Where the route may follow, the exact attack gets all but this share of the time budget, so
+#: that both end by the budget.
 NEXT_LAYER_SHARE = 0.5
 #: The route's seconds when the attack has no time budget.
 UNBOUNDED_ROUTE_SECONDS = 60.0
+#: Fewer seconds left than this: the route is not started.
+MIN_ROUTE_SECONDS = 0.5
 #: An exact attack's row at or above this per-sample matching is claimed beside the route's.
 CONFIDENT_MATCHING = 0.999
 #: Zero tolerance of unit gradient columns, times the relative noise (SPEAR++'s default).
@@ -60,11 +64,18 @@ ZERO_TOLERANCE_FACTOR = 30.0
 ROUTE_CHECKED, EXACT_ATTACK, ROUTE_UNCHECKED, EXACT_ATTACK_WEAK, DUPLICATE = range(5)
 
 
-def route_budget(time_budget: float | None) -> float:
-    """Seconds the route may spend after an attack given ``time_budget`` (None: unbounded)."""
+def exact_attack_budget(time_budget: float | None) -> float | None:
+    """The exact attack's share of ``time_budget`` where the route may follow it (None: unbounded)."""
     if time_budget is None or not math.isfinite(time_budget):
+        return time_budget
+    return (1.0 - NEXT_LAYER_SHARE) * time_budget
+
+
+def route_budget(seconds_left: float | None) -> float:
+    """Seconds the route may spend given the attack's ``seconds_left`` (None: no budget)."""
+    if seconds_left is None or not math.isfinite(seconds_left):
         return UNBOUNDED_ROUTE_SECONDS
-    return NEXT_LAYER_SHARE * time_budget
+    return max(seconds_left, 0.0)
 
 
 def pattern_agreement(
@@ -164,8 +175,9 @@ def complete_with_next_layer(
     observed
         The attacked layer, its update and the next linear layer's update.
     time_budget
-        The attack's time budget; the route spends :func:`route_budget` of it, and at least its
-        first round of starts.
+        Seconds left of the attack's time budget (None: no budget); the route stops by
+        :func:`route_budget` of it, and is not started with less than
+        :data:`MIN_ROUTE_SECONDS` left (``next_layer_skipped`` in the ``stats``).
     seed
         Seeds the route's starts.
 
@@ -185,9 +197,13 @@ def complete_with_next_layer(
     m, following = observed.weight.shape[0], observed.next_weight_update.shape[0]
     if reconstruction.complete or reconstruction.self_check is None or not 1 < b < min(m, following):
         return reconstruction
-    route = recover_from_next_layer(
-        observed, batch_size=b, time_budget=route_budget(time_budget), seed=seed, min_rounds=1
-    )
+    seconds = route_budget(time_budget)
+    if seconds < MIN_ROUTE_SECONDS:
+        skipped = f"{seconds:.2f} s left of the time budget"
+        return dataclasses.replace(
+            reconstruction, stats={**reconstruction.stats, "next_layer_skipped": skipped}
+        )
+    route = recover_from_next_layer(observed, batch_size=b, time_budget=seconds, seed=seed, min_rounds=0)
     stats: dict[str, Any] = dict(reconstruction.stats)
     stats.update(
         next_layer_found=len(route.samples),

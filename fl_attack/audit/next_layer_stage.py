@@ -2,11 +2,10 @@
 
 For a layer whose inputs are ReLU features (layers precede it) and that is directly followed
 by another linear layer, one client's update carries that layer's change too
-(:attr:`fl_attack.audit.layer.LayerDelta.next_weight_delta`). When the exact attack did not
-recover the batch whole, :func:`with_next_layer` runs
-:func:`fl_attack.attacks.next_layer_merge.complete_with_next_layer` on it, in the same worker,
-for :data:`fl_attack.attacks.next_layer_merge.NEXT_LAYER_SHARE` of the attack's time budget
-after the attack (the default hard timeout, 1.5 times the budget plus 15 s, leaves room for it).
+(:attr:`fl_attack.audit.layer.LayerDelta.next_weight_delta`). The exact attack then gets
+:func:`exact_attack_budget` of the time budget; when it did not recover the batch whole,
+:func:`with_next_layer` runs :func:`fl_attack.attacks.next_layer_merge.complete_with_next_layer`
+on it, in the same worker, for the seconds left of the budget, so that both end by the budget.
 Its rows are merged (those its own check confirmed are claimed, the others only kept) and
 counted in the reconstruction's statistics (``next_layer_checked``, ``next_layer_unchecked``,
 ...), which the verdict reads.
@@ -27,10 +26,19 @@ from .layer import LayerDelta
 logger = logging.getLogger(__name__)
 
 
+def exact_attack_budget(time_budget: float | None) -> float | None:
+    """The exact attack's share of ``time_budget`` on an update the route may follow."""
+    from fl_attack.attacks.next_layer_merge import exact_attack_budget as share
+
+    return share(time_budget)
+
+
 def with_next_layer(
     reconstruction: Any, update: LayerDelta, *, time_budget: float | None, seed: int | None
 ) -> Any:
     """``reconstruction`` completed by the next-layer route where it applies, else unchanged.
+
+    ``time_budget`` is the seconds left of the attack's budget (None: no budget).
 
     It applies to a :class:`fl_attack.Reconstruction` with a self-check (an exact attack's)
     that is not complete, on an update with a finite next-layer change. A failure of the

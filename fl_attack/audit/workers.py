@@ -39,7 +39,7 @@ from fl_attack.vocabulary import (
 )
 
 from .layer import LayerDelta
-from .next_layer_stage import with_next_layer
+from .next_layer_stage import exact_attack_budget, with_next_layer
 
 #: Seconds a new worker process may take to import the attack before it is given up.
 WORKER_STARTUP_TIMEOUT = 300.0
@@ -137,17 +137,22 @@ def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time
         if update.head_weight is None or not accepts_head_weight(attacker)
         else {"head_weight": update.head_weight}
     )
+    budget = time_budget if time_budget is not None else getattr(attacker, "time_budget", None)
+    route_may_follow = update.next_weight_delta is not None
+    started = time.perf_counter()
     reconstruction = attacker.invert(
         update.weight_delta,
         update.bias_delta,
         weight=update.weight,
         bias=update.bias,
         batch_size=batch_size,
-        time_budget=time_budget,
+        time_budget=exact_attack_budget(budget) if route_may_follow else time_budget,
         **extra,
     )
-    budget = time_budget if time_budget is not None else getattr(attacker, "time_budget", None)
-    return with_next_layer(reconstruction, update, time_budget=budget, seed=getattr(attacker, "seed", None))
+    if not route_may_follow:
+        return reconstruction
+    left = None if budget is None else budget - (time.perf_counter() - started)
+    return with_next_layer(reconstruction, update, time_budget=left, seed=getattr(attacker, "seed", None))
 
 
 def _failure(error: BaseException, seconds: float, trace: str | None) -> AttackResult:
