@@ -16,6 +16,7 @@ from fl_attack.pipeline.trusted import (
     FIRST_ROUND_SHARE,
     MIN_AIMED,
     TRUSTED_MIN_WIDTH,
+    _seed,
     complement_of_trusted,
     own_matching,
     round_plan,
@@ -148,3 +149,11 @@ def test_bad_input_is_named() -> None:
         trusted_selection(layer.scorer, layer.directions, torch.ones(6), min_matching=1.5)
     with pytest.raises(ValueError, match="need per_round >= 1 and rounds_done >= 0, got 0 and 0"):
         round_plan(0, rounds_done=0, latest=None)
+
+
+def test_the_sparsest_few_are_judged_together() -> None:
+    layer = _layer()
+    candidates = torch.cat([layer.directions, _junk(6, 6)], dim=0)
+    assert _seed(layer.scorer, candidates, list(range(12)), min_matching=0.6) == list(range(6))
+    assert _seed(layer.scorer, candidates, list(range(6, 12)), min_matching=0.6) == []
+    assert _seed(layer.scorer, candidates, [0], min_matching=0.6) == []  # one alone is not judged
