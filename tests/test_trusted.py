@@ -157,3 +157,18 @@ def test_the_sparsest_few_are_judged_together() -> None:
     assert _seed(layer.scorer, candidates, list(range(12)), min_matching=0.6) == list(range(6))
     assert _seed(layer.scorer, candidates, list(range(6, 12)), min_matching=0.6) == []
     assert _seed(layer.scorer, candidates, [0], min_matching=0.6) == []  # one alone is not judged
+
+
+def test_past_its_deadline_only_the_seed_is_judged() -> None:
+    layer = _layer()
+    selection = trusted_selection(
+        layer.scorer, layer.directions, torch.ones(6, dtype=torch.float64), deadline=0.0
+    )
+    assert selection.found.tolist() == [True] * 6  # the six are the seed: judged together
+    late = trusted_selection(
+        layer.scorer,
+        torch.cat([_junk(6, 6), layer.directions]),
+        torch.arange(12, 0, -1).double(),
+        deadline=0.0,
+    )
+    assert not bool(late.found.any())  # the junk seed fails and nothing else is tried

@@ -471,7 +471,7 @@ class GradientInversionAttack(ABC):
         """
         pool, (m, b) = state.pool, state.factors.left.shape
         if uses_trusted_selection(noisy=state.noisy, width=m, batch_size=b):  # fl_attack.pipeline.trusted
-            return trusted_selection(scorer, pool.directions, pool.excess, deadline=state.deadline)
+            return trusted_selection(scorer, pool.directions, pool.excess, deadline=state.finish_by)
         directions, counts = pool.directions, pool.zero_counts
         if state.noisy:
             counts = pool.excess

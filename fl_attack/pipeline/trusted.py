@@ -130,7 +130,8 @@ def trusted_selection(
     min_matching
         Own matching at which a candidate is trusted.
     deadline
-        ``time.perf_counter()`` value after which no re-check pass starts.
+        ``time.perf_counter()`` value after which no further candidate is tried and no re-check
+        pass starts (the seed, :func:`_seed`, is always judged).
 
     Returns
     -------
@@ -155,6 +156,8 @@ def trusted_selection(
     order = torch.argsort(excess, descending=True, stable=True).tolist()
     chosen = _seed(scorer, unit, order, min_matching=min_matching)
     for index in order:
+        if expired(deadline):
+            break  # what is trusted so far stands; the rest stays unclaimed
         if index in chosen:
             continue
         if len(chosen) == b:
