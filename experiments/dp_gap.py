@@ -3,13 +3,18 @@
 ::
 
     python -m experiments.dp_gap --noise-factor 1 --seeds 0-9 --time-budget 60
+    python -m experiments.dp_gap --cell 150x4000 --noise-factor 0.5 --seeds 0-2 --time-budget 240 --threads 2
 
-Attacks the batches of the DP table (CIFAR-10, the SPEAR++ victim, b = 20, m = 200, trial t =
-seed t, as ``python -m experiments run spearpp-t3``) and scores, against the ground truth:
+Attacks the batches of the DP table (CIFAR-10, the SPEAR++ victim, by default b = 20, m = 200,
+trial t = seed t, as ``python -m experiments run spearpp-t3``) and scores, against the ground truth:
 
-- ``ours``: the attack's reconstruction; ``rescaled``: each row times its best factor against
+- ``ours``: the attack's reconstruction, and ``rows_above``: how many of its rows (matched to
+  the true inputs) are above 25 dB; ``rescaled``: each row times its best factor against
   the truth (a diagnostic: what a perfect scale would give); ``in_span``: the share of the
   rescaled rows' error energy inside the span of the true inputs (other samples mixed in);
+- ``subspace``: the true ``dL/dZ`` columns projected onto the rank-b left factor of the noisy
+  update (the attack's search space), scales from the noisy bias gradient: the ceiling of an
+  attack that finds every direction as well as that factor allows;
 - ``bias_scale``: the true ``dL/dZ`` directions with scales from the noisy bias gradient, and
   ``scale_err``: the rms relative error of those scales; ``oracle``: the true ``dL/dZ``;
 - the image prior step by step: ``clip`` (pixel range only), ``tv`` (TV and range) and
@@ -25,16 +30,18 @@ from collections.abc import Sequence
 
 import torch
 
-from experiments.config import Cell, Setting
+from experiments.config import Cell, Setting, parse_cells
 from experiments.dp_prior import denoised_attack
 from experiments.observe import draw_trial, observe
 from experiments.runner import invert, load_data
 from fl_attack.data.images import ImageData
 from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.pipeline.decompose import decompose
 from fl_attack.pipeline.denoise import denoise_images, row_noise_std
 from fl_attack.simulate.victims import output_gradient
 
 _THRESHOLD_DB = 25.0
+_DEFAULT_CELL = Cell(20, 200)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -58,11 +65,25 @@ def _psnr(inputs: torch.Tensor, reference: torch.Tensor, data: ImageData) -> flo
     ).mean_psnr
 
 
-def batch_gap(seed: int, *, factor: float, budget: float, data: ImageData) -> dict[str, float]:
+def subspace_ceiling(
+    *, columns: torch.Tensor, weight_grad: torch.Tensor, bias_grad: torch.Tensor
+) -> torch.Tensor:
+    """Inputs from the true ``(b, m)`` columns projected onto the noisy update's rank-b left factor,
+    each scaled by least squares on the noisy bias gradient: ``X = Q^{-1} R`` for those directions."""
+    factors = decompose(weight_grad, batch_size=columns.shape[0])
+    directions = columns @ factors.left
+    directions = directions / directions.norm(dim=1, keepdim=True)
+    unit_columns = factors.left @ directions.T  # (m, b)
+    scales = torch.linalg.lstsq(unit_columns, bias_grad[:, None]).solution.squeeze(1)
+    inputs: torch.Tensor = torch.linalg.solve(directions.T * scales, factors.right)
+    return inputs
+
+
+def batch_gap(
+    seed: int, *, factor: float, budget: float, data: ImageData, cell: Cell = _DEFAULT_CELL
+) -> dict[str, float]:
     """The scores of one batch (see the module docstring)."""
-    setting = Setting(
-        "dp", Cell(20, 200), ("l1",), 1, params={"noise_factor": factor}, threshold_db=_THRESHOLD_DB
-    )
+    setting = Setting("dp", cell, ("l1",), 1, params={"noise_factor": factor}, threshold_db=_THRESHOLD_DB)
     trial = draw_trial(data, setting, index=seed, seed=seed)
     observation = observe(setting, trial, data)
     options = {"known_batch_size": True, "time_budget": budget, "hard_limit_slack": 30.0}
@@ -87,6 +108,8 @@ def batch_gap(seed: int, *, factor: float, budget: float, data: ImageData) -> di
     denoised = denoised_attack(ours, weight_grad=grad, bias_grad=bias, noise_std=noise_std, data=data)
     return {
         "ours": quality.mean_psnr,
+        "rows_above": float((quality.psnr > _THRESHOLD_DB).sum()),
+        "subspace": _psnr(subspace_ceiling(columns=d.double(), weight_grad=grad, bias_grad=bias), ref, data),
         "rescaled": _psnr(aligned * best[:, None], ref, data),
         "in_span": float(in_span.square().sum() / error.square().sum()),
         "bias_scale": _psnr(torch.linalg.solve(scaled @ scaled.T, scaled @ grad), ref, data),
@@ -104,24 +127,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=parse_seeds, default=parse_seeds("0-9"), help="e.g. 0-9 or 0,3,5")
     parser.add_argument("--time-budget", type=float, default=60.0, help="attack budget, s per batch")
     parser.add_argument("--data-root", default=None, help="root of the datasets (default: searched)")
+    parser.add_argument("--cell", default="20x200", help="<b>x<m> of the attacked layer (default 20x200)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
     if not args.noise_factor > 0:
         parser.error(f"--noise-factor must be positive, got {args.noise_factor}")
-    torch.set_num_threads(1)
-    setting = Setting("dp", Cell(20, 200), ("l1",), 1, data_root=args.data_root)
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    try:
+        cells = parse_cells(args.cell)
+    except ValueError as error:
+        parser.error(f"--cell: {error}")
+    if len(cells) != 1:
+        parser.error(f"--cell must be exactly one cell, e.g. 150x4000, got {args.cell!r}")
+    torch.set_num_threads(args.threads)
+    setting = Setting("dp", cells[0], ("l1",), 1, data_root=args.data_root)
     data = load_data([setting])[setting.data_key]
     if not isinstance(data, ImageData):
         raise TypeError("the DP table runs on CIFAR-10 images")
     rows = []
     for seed in args.seeds:
-        row = batch_gap(seed, factor=args.noise_factor, budget=args.time_budget, data=data)
+        row = batch_gap(seed, factor=args.noise_factor, budget=args.time_budget, data=data, cell=cells[0])
         rows.append(row)
         print(f"seed {seed}: " + " ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
     means = {key: statistics.fmean(row[key] for row in rows) for key in rows[0]}
     passed = {
         key: sum(row[key] > _THRESHOLD_DB for row in rows)
         for key in rows[0]
-        if key not in ("in_span", "scale_err")
+        if key not in ("in_span", "scale_err", "rows_above")
     }
     print("mean: " + " ".join(f"{k}={v:.3g}" for k, v in means.items()))
     print(f"above {_THRESHOLD_DB:g} dB (of {len(rows)}): " + " ".join(f"{k}={v}" for k, v in passed.items()))

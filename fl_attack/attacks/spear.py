@@ -40,6 +40,7 @@ from fl_attack.pipeline.select import (
 )
 from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
+from fl_attack.pipeline.trusted import trusted_selection, uses_trusted_selection
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.validation import check_batch_size, check_local_steps, check_time_budget
@@ -466,16 +467,16 @@ class GradientInversionAttack(ABC):
 
         Weak candidates rank after every confident one in the sparsest-first stage; on noisy
         gradients only the ``3 b`` confident candidates with the largest excess of zeros over a
-        dense column are considered.
+        dense column are considered, and on wide noisy layers each by its own matching instead.
         """
-        pool = state.pool
+        pool, (m, b) = state.pool, state.factors.left.shape
+        if uses_trusted_selection(noisy=state.noisy, width=m, batch_size=b):  # fl_attack.pipeline.trusted
+            return trusted_selection(scorer, pool.directions, pool.excess, deadline=state.finish_by)
         directions, counts = pool.directions, pool.zero_counts
-        limit = 3 * state.factors.batch_size
         if state.noisy:
-            # per-direction zero thresholds: rank by zeros in excess of a dense column's
             counts = pool.excess
-            if len(pool) > limit:
-                top = torch.topk(counts, k=limit).indices
+            if len(pool) > 3 * b:
+                top = torch.topk(counts, k=3 * b).indices
                 directions, counts = directions[top], counts[top]
         elif not state.noisy:
             weak, weak_counts = pool.weak()

@@ -23,6 +23,7 @@ from fl_attack.pipeline.search import (
     sampling_rounding,
 )
 from fl_attack.pipeline.sparsity import round_minima
+from fl_attack.pipeline.trusted import round_plan, uses_trusted_selection
 
 
 class SpearPlusPlus(GradientInversionAttack):
@@ -121,8 +122,13 @@ class SpearPlusPlus(GradientInversionAttack):
                 if self.max_initializations is None
                 else min(per_round, self.max_initializations - used)
             )
-            found = state.pool.directions
+            found: torch.Tensor | None = state.pool.directions
             n_complement = int(count * self.complement_fraction) if len(state.pool) else 0
+            if uses_trusted_selection(noisy=state.noisy, width=m, batch_size=b):
+                # heavy noise on a wide layer: aim past the trusted directions (fl_attack.pipeline.trusted)
+                planned, found = round_plan(per_round, rounds_done=rounds, latest=state.latest)
+                count = min(count, planned)
+                n_complement = count if found is not None else 0
             inits = [
                 random_directions(
                     count - n_complement, b, generator=state.generator, dtype=self.dtype, device=left.device
