@@ -31,6 +31,7 @@ from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.input_side import InputSide, SearchContext, gradient_directions, live_features
 from fl_attack.pipeline.last_direction import scan_missing_directions
 from fl_attack.pipeline.onehot_rounds import onehot_missing
+from fl_attack.pipeline.onehot_side import check_known
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance
 
@@ -95,8 +96,7 @@ def reach_samples(
         When ``known`` is not ``(k, b)`` with ``0 <= k < b``.
     """
     b = side.batch_size
-    if known.ndim != 2 or known.shape[1] != b or not 0 <= known.shape[0] < b:
-        raise ValueError(f"known must have shape (k, {b}) with 0 <= k < {b}, got {tuple(known.shape)}")
+    check_known(known, b)
     missing = b - known.shape[0]
     constraints = known
     proposals: list[torch.Tensor] = []

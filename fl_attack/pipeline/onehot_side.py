@@ -66,6 +66,13 @@ POINT_CHUNK = 512
 LINE_CHUNK = 16
 
 
+def check_known(known: torch.Tensor, batch_size: int) -> None:
+    """Raise ``ValueError`` unless ``known`` holds ``k`` directions of ``batch_size`` entries, ``k < batch_size``."""
+    b = batch_size
+    if known.ndim != 2 or known.shape[1] != b or not 0 <= known.shape[0] < b:
+        raise ValueError(f"known must have shape (k, {b}) with 0 <= k < {b}, got {tuple(known.shape)}")
+
+
 @dataclass(frozen=True)
 class OneHotSide:
     """The attack's factors seen through the detected one-hot groups.
@@ -285,8 +292,7 @@ def one_hot_proposals(
         When ``known`` is not ``(k, b)`` with ``0 <= k < b``.
     """
     b = side.batch_size
-    if known.ndim != 2 or known.shape[1] != b or not 0 <= known.shape[0] < b:
-        raise ValueError(f"known must have shape (k, {b}) with 0 <= k < {b}, got {tuple(known.shape)}")
+    check_known(known, b)
     empty = OneHotProposals(side.left.new_zeros(0, b), 0, -1)
     columns = [column for group in side.groups for column in group]
     if not columns or expired(deadline):
