@@ -32,8 +32,8 @@ from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     ROUTE_CHECKED,
     ROUTE_UNCHECKED,
     batch_matching,
-    merged_rows,
     exact_attack_budget,
+    merged_rows,
     route_budget,
 )
 from fl_attack.audit import Auditor  # noqa: E402
