@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from fl_attack import SpearPlusPlus
+from fl_attack.pipeline import input_side
 from fl_attack.pipeline.binary_head import BinaryHead
 from fl_attack.pipeline.decompose import LowRankFactors, decompose
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds
+from fl_attack.pipeline.onehot_groups import OneHotGroups
 from fl_attack.pipeline.sparsity import ZeroTolerance
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, output_gradient
@@ -181,15 +183,25 @@ def test_the_attack_recovers_a_two_class_one_hot_batch_exactly(victim: Victim) -
     assert stats["binary_directions"] >= BATCH and stats["rounds"] == 1 and stats["head_searches"] == 0
 
 
-def test_without_two_valued_proposals_the_batch_stays_unrecovered(
+def test_without_two_valued_proposals_or_one_hot_rows_the_batch_stays_unrecovered(
     victim: Victim, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the pipeline before binary_head: sign-guided head searches and SPEAR++'s own (5 s here;
-    # main without this module ran out of 10 s on this batch, and of 30 s on every Adult batch)
+    # the pipeline before binary_head and onehot_side: sign-guided head searches and SPEAR++'s
+    # own (5 s here; main without these modules ran out of 10 s on this batch, and of 30 s on
+    # every Adult batch)
     monkeypatch.setattr(BinaryHead, "propose", lambda self, known, avoid=None: known.new_zeros(0, BATCH))
+    monkeypatch.setattr(input_side, "detect_onehot_groups", lambda *args, **kwargs: OneHotGroups((), ()))
     rec = victim.invert(time_budget=5.0)
     assert not rec.complete
     assert _max_row_error(rec.inputs, victim.inputs) > 1e-2
+
+
+def test_one_hot_rows_alone_recover_the_batch(victim: Victim, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the other route to the same batch: its one-hot columns (fl_attack.pipeline.onehot_side)
+    monkeypatch.setattr(BinaryHead, "propose", lambda self, known, avoid=None: known.new_zeros(0, BATCH))
+    rec = victim.invert(time_budget=30.0)
+    assert rec.complete and rec.stats["onehot_groups"] >= 1
+    assert _max_row_error(rec.inputs, victim.inputs) < 1e-4
 
 
 def test_only_a_two_class_head_gets_binary_rounds(victim: Victim, search: Search) -> None:
