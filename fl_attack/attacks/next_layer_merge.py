@@ -11,7 +11,7 @@ runs it on a reconstruction that is not complete and merges its rows:
    (confidence at least :data:`CONFIDENT_MATCHING`);
 3. the route's unchecked rows (a ReLU pattern consistent with both updates, but an input that
    its check could not confirm): kept for the scoring, never claimed;
-4. the exact attack's other rows, placeholders last;
+4. the exact attack's other rows, the all-zero rows of directions it never found last;
 
 dropping any row within a cosine of :data:`fl_attack.attacks.next_layer.DUPLICATE_COSINE` of
 one kept before it, until the batch's ``b`` rows are filled. The result is ``complete`` only
