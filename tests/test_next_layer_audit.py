@@ -24,7 +24,12 @@ from measure_frontier import client_step  # noqa: E402
 
 from clients.ground_truth import layer_inputs  # noqa: E402
 from fl_attack import get_attack  # noqa: E402
-from fl_attack.attacks.next_layer import NextLayerObservation, NextLayerResult, RecoveredSample  # noqa: E402
+from fl_attack.attacks.next_layer import (  # noqa: E402
+    NextLayerObservation,
+    NextLayerResult,
+    RecoveredSample,
+    smooth_starts,
+)
 from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     DUPLICATE,
     EXACT_ATTACK,
@@ -32,6 +37,7 @@ from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     ROUTE_CHECKED,
     ROUTE_UNCHECKED,
     batch_matching,
+    complete_with_next_layer,
     exact_attack_budget,
     merged_rows,
     route_budget,
@@ -94,6 +100,45 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     assert record.seconds <= 8.0 * 1.1 + 1.0, record.seconds
 
 
+def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -> None:
+    # batch 8, seed 1: SPEAR++ recovers all 8 fc1 inputs exactly but cannot claim two of them
+    # (near-identical patches: patterns agree at 0.992); the route confirms none and finds rows
+    # whose patterns agree worse. Those once displaced an exact row of the attack's.
+    received, net, images, _ = client_step(
+        load_dataset("photo-patches", split="train"), batch_size=8, seed=1, lr=0.1
+    )
+    truth = layer_inputs(received, images).double().numpy()
+
+    def values(tensor: torch.Tensor) -> np.ndarray:
+        return np.asarray(tensor.detach().double().numpy())
+
+    weight, bias = values(received.fc1.weight), values(received.fc1.bias)
+    observed = NextLayerObservation(
+        weight=weight,
+        bias=bias,
+        weight_update=values(net.fc1.weight) - weight,
+        bias_update=values(net.fc1.bias) - bias,
+        next_weight_update=values(net.fc2.weight) - values(received.fc2.weight),
+    )
+    attack = get_attack("spear++", device="cpu", seed=0, progress=False)
+    reconstruction = attack.invert(
+        torch.from_numpy(observed.weight_update),
+        torch.from_numpy(observed.bias_update),
+        weight=torch.from_numpy(weight),
+        bias=torch.from_numpy(bias),
+        time_budget=10.0,
+        batch_size=8,
+    )
+    merged = complete_with_next_layer(reconstruction, observed, time_budget=3.0, seed=0)
+    for result in (reconstruction, merged):
+        rows = result.inputs.numpy()
+        errors = np.linalg.norm(truth[None] - rows[:, None], axis=2) / np.linalg.norm(truth, axis=1)
+        assert not result.complete
+        assert sorted(errors.argmin(axis=1).tolist()) == list(range(8))
+        assert errors.min(axis=1).max() < EXACT_RELATIVE_ERROR
+    assert merged.stats["next_layer_attack_rows"] == 8
+
+
 def _sample(inputs: np.ndarray, *, verified: bool) -> RecoveredSample:
     return RecoveredSample(
         inputs=inputs,
@@ -117,12 +162,22 @@ def test_merged_rows_rank_the_sources_and_drop_duplicates() -> None:
     )
     # the exact attack's rows: a duplicate of the route's checked row, a confident row, two weak rows
     attack_rows = np.array([eye[1] * 2.0, eye[2], eye[3], eye[4]])
-    rows, sources = merged_rows(route, attack_rows, np.array([0.9, 1.0, 0.5, 0.7]), 4)
-    assert sources.tolist() == [ROUTE_CHECKED, EXACT_ATTACK, ROUTE_UNCHECKED, EXACT_ATTACK_WEAK]
-    assert np.array_equal(rows, np.array([eye[1], eye[2], eye[0], eye[4]]))
+    confidence = np.array([0.9, 1.0, 0.5, 0.7])
+    # the unchecked route row (pattern agreement 0.6) and the weak rows compete on agreement
+    rows, sources = merged_rows(route, attack_rows, confidence, 4, route_agreement=np.array([0.6, 1.0]))
+    assert sources.tolist() == [ROUTE_CHECKED, EXACT_ATTACK, EXACT_ATTACK_WEAK, ROUTE_UNCHECKED]
+    assert np.array_equal(rows, np.array([eye[1], eye[2], eye[4], eye[0]]))
+    # a route row whose pattern agrees worse than every weak row does not displace them
+    rows, sources = merged_rows(route, attack_rows, confidence, 4, route_agreement=np.array([0.4, 1.0]))
+    assert sources.tolist() == [ROUTE_CHECKED, EXACT_ATTACK, EXACT_ATTACK_WEAK, EXACT_ATTACK_WEAK]
+    assert np.array_equal(rows, np.array([eye[1], eye[2], eye[4], eye[3]]))
+    # on a tie the exact attack's row goes first
+    rows, sources = merged_rows(route, attack_rows, confidence, 4, route_agreement=np.array([0.7, 1.0]))
+    assert sources.tolist() == [ROUTE_CHECKED, EXACT_ATTACK, EXACT_ATTACK_WEAK, ROUTE_UNCHECKED]
     # too few distinct rows: duplicates fill the batch, never claimed
+    # (the route's unchecked row ties with the attack's weak copy of it, which goes first)
     rows, sources = merged_rows(route, np.array([eye[1], eye[1], eye[0], eye[0]]), np.zeros(4), 4)
-    assert sources.tolist() == [ROUTE_CHECKED, ROUTE_UNCHECKED, DUPLICATE, DUPLICATE]
+    assert sources.tolist() == [ROUTE_CHECKED, EXACT_ATTACK_WEAK, DUPLICATE, DUPLICATE]
 
 
 def test_the_stage_leaves_updates_without_a_next_layer_or_complete_results_alone() -> None:
@@ -241,3 +296,12 @@ def test_batch_matching_scores_a_true_batch_as_spear_does_and_a_wrong_row_lower(
     wrong = rows.copy()
     wrong[1] = rng.random(inputs)
     assert batch_matching(wrong, observed=observed, factors=factors, relative_noise=1e-12).min() < 0.9
+
+
+def test_the_routes_smoothing_stops_at_its_deadline() -> None:
+    rng = np.random.default_rng(0)
+    inputs_map, bias = rng.normal(size=(6, 3)), rng.normal(size=6)
+    outside, starts = np.eye(6)[:, :4], rng.normal(size=(5, 3))
+    assert np.array_equal(smooth_starts(inputs_map, bias, outside, starts, deadline=0.0), starts)
+    moved = smooth_starts(inputs_map, bias, outside, starts, steps=20)
+    assert not np.allclose(moved, starts)

@@ -51,7 +51,11 @@ def _reason(attack: dict[str, Any], **options: Any) -> tuple[str, str]:
 
 def test_some_directions_not_found() -> None:
     verdict, reason = _reason(
-        {"directions_found": 3, "stopped_by": "no_improvement", **_self_check("1 placeholder rows")},
+        {
+            "directions_found": 3,
+            "stopped_by": "no_improvement",
+            **_self_check("1 row without a confirmed direction"),
+        },
         signature=lambda: LOW_RANK,
     )
     assert verdict == "approximate"

@@ -9,6 +9,11 @@ exactly as the Flower strategy hands them over, so fc2's update reaches the rout
 confirmed ("checked", the rows the verdict claims) and checked rows that are not exact.
 
     PYTHONPATH=. python examples/quickstart_cnn/audit_route.py --batch-sizes 32 --trials 3 --time-budget 60
+
+``--model mlp`` audits the CNN's image twin instead: the same head (120 -> 84 -> 10, ReLU) on the
+flattened photo patches, ``Linear(3072, 120)`` as its first layer, the same batches, seeds, step
+and budget. fc1 then sees the images themselves, so the rows are scored against the pixels: the
+like-for-like answer to "are the CNN's features recovered as reliably as images?".
 """
 
 from __future__ import annotations
@@ -34,6 +39,31 @@ from fl_attack.audit.observations import ClientIdentity, ClientUpdate  # noqa: E
 from fl_attack.data.images import load_dataset  # noqa: E402
 from fl_attack.results.store import AttackRecord  # noqa: E402
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR  # noqa: E402
+
+
+def image_twin(seed: int) -> torch.nn.Sequential:
+    """The CNN's head on flattened images: ``Linear(3072, 120)``, then 120 -> 84 -> 10 with ReLU."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(3 * 32 * 32, 120),
+        torch.nn.ReLU(),
+        torch.nn.Linear(120, 84),
+        torch.nn.ReLU(),
+        torch.nn.Linear(84, 10),
+    )
+
+
+def twin_step(
+    images: torch.Tensor, labels: torch.Tensor, *, seed: int, lr: float
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The image twin's global weights and the client's after one SGD step on the same batch."""
+    net = image_twin(seed)
+    received = image_twin(seed)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    torch.nn.functional.cross_entropy(net(images), labels).backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    return received, net
 
 
 def state_arrays(net: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -72,7 +102,9 @@ def score(record: AttackRecord, truth: np.ndarray) -> dict[str, Any]:
 def trial(batch_size: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """One client's step through the Auditor, scored."""
     data = load_dataset("photo-patches", split="train")
-    received, net, images, _ = client_step(data, batch_size=batch_size, seed=seed, lr=args.lr)
+    received, net, images, labels = client_step(data, batch_size=batch_size, seed=seed, lr=args.lr)
+    if args.model == "mlp":
+        received, net = twin_step(images, labels, seed=seed, lr=args.lr)
     truth = layer_inputs(received, images).double().numpy()
     attack = get_attack("spear++", device="cpu", seed=0, progress=False)
     auditor = Auditor(attack, batch_size=batch_size, time_budget=args.time_budget, fallback=None)
@@ -83,6 +115,7 @@ def trial(batch_size: int, seed: int, args: argparse.Namespace) -> dict[str, Any
     )
     auditor.close()
     return {
+        "model": args.model,
         "batch_size": batch_size,
         "seed": seed,
         "wall_s": round(time.perf_counter() - started, 1),
@@ -101,6 +134,9 @@ def main() -> None:
     parser.add_argument(
         "--time-budget", type=float, default=60.0, help="the attack's budget (the route: half)"
     )
+    parser.add_argument(
+        "--model", choices=("cnn", "mlp"), default="cnn", help="the quickstart CNN or its image twin"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     for batch_size in (int(item) for item in args.batch_sizes.split(",")):
@@ -109,6 +145,7 @@ def main() -> None:
             rows.append(trial(batch_size, seed, args))
             print(json.dumps(rows[-1]), flush=True)
         summary = {
+            "model": args.model,
             "batch_size": batch_size,
             "trials": len(rows),
             "exact": f"{sum(r['exact'] for r in rows)}/{batch_size * len(rows)}",

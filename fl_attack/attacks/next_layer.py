@@ -164,13 +164,24 @@ def complement(directions: list[np.ndarray], size: int) -> np.ndarray:
 
 
 def smooth_starts(
-    inputs_map: np.ndarray, bias: np.ndarray, outside: np.ndarray, starts: np.ndarray, *, steps: int = 300
+    inputs_map: np.ndarray,
+    bias: np.ndarray,
+    outside: np.ndarray,
+    starts: np.ndarray,
+    *,
+    steps: int = 300,
+    deadline: float = math.inf,
 ) -> np.ndarray:
-    """Adam on the softplus relaxation of ``|P_perp relu(A u + b)| / |relu(A u + b)|`` from every start."""
+    """Adam on the softplus relaxation of ``|P_perp relu(A u + b)| / |relu(A u + b)|`` from every start.
+
+    At ``deadline`` (a ``time.perf_counter()`` value) the points reached so far are returned.
+    """
     matrix, shift, projector = (torch.from_numpy(item) for item in (inputs_map, bias, outside))
     points = torch.from_numpy(starts.copy()).requires_grad_(True)
     optimizer = torch.optim.Adam([points], lr=0.05)
     for step in range(steps):
+        if step % 10 == 0 and time.perf_counter() > deadline:
+            break
         beta = 5.0 * 40.0 ** (step / max(steps - 1, 1))
         active = torch.nn.functional.softplus(points @ matrix.T + shift, beta=beta)
         loss = ((active @ projector) ** 2).sum(1) / (active**2).sum(1).clamp_min(1e-300)
@@ -342,7 +353,8 @@ def recover_from_next_layer(
         reduced = complement(deflating, batch_size)
         inputs_map = full_map @ reduced
         points = _random_starts(rng, basis @ reduced, inputs_map, observed.bias, starts)
-        for point in smooth_starts(inputs_map, observed.bias, outside, points):
+        deadline = started + time_budget if rounds > min_rounds else math.inf
+        for point in smooth_starts(inputs_map, observed.bias, outside, points, deadline=deadline):
             if out_of_time() or len(samples) == batch_size:
                 break
             solved, residual = pattern_iteration(point, inputs_map, observed.bias, outside)

@@ -10,8 +10,10 @@ runs it on a reconstruction that is not complete and merges its rows:
 2. the exact attack's rows whose ReLU pattern agrees with the update everywhere it is read
    (confidence at least :data:`CONFIDENT_MATCHING`);
 3. the route's unchecked rows (a ReLU pattern consistent with both updates, but an input that
-   its check could not confirm): kept for the scoring, never claimed;
-4. the exact attack's other rows, the all-zero rows of directions it never found last;
+   its check could not confirm) and the exact attack's other rows, together, by how well each
+   row's own ReLU pattern agrees with the update (:func:`pattern_agreement`; an exact attack's
+   row first on a tie): kept for the scoring, never claimed; the all-zero rows of directions the
+   attack never found last;
 
 dropping any row within a cosine of :data:`fl_attack.attacks.next_layer.DUPLICATE_COSINE` of
 one kept before it, until the batch's ``b`` rows are filled. The result is ``complete`` only
@@ -130,24 +132,46 @@ def _cosine(first: np.ndarray, second: np.ndarray) -> float:
 
 
 def merged_rows(
-    route: NextLayerResult, attack_rows: np.ndarray, attack_confidence: np.ndarray, batch_size: int
+    route: NextLayerResult,
+    attack_rows: np.ndarray,
+    attack_confidence: np.ndarray,
+    batch_size: int,
+    *,
+    route_agreement: np.ndarray | None = None,
+    attack_agreement: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The ``(b, n)`` merged rows and each one's source (``ROUTE_CHECKED`` ... ``DUPLICATE``).
 
     ``attack_rows`` holds the exact attack's ``b`` rows, so the candidates always fill the batch.
+    The unclaimed rows (the route's unchecked ones, the exact attack's below
+    :data:`CONFIDENT_MATCHING`) are ranked together by ``route_agreement`` and
+    ``attack_agreement``, each row's :func:`pattern_agreement` (defaults: 0 for the route's rows,
+    ``attack_confidence`` for the attack's).
     """
-    ranked: list[tuple[int, float, np.ndarray]] = []
-    for sample in route.samples:
-        if np.any(sample.inputs):
-            ranked.append((ROUTE_CHECKED if sample.verified else ROUTE_UNCHECKED, 0.0, sample.inputs))
-    for values, confidence in zip(attack_rows, attack_confidence, strict=True):
-        source = EXACT_ATTACK if confidence >= CONFIDENT_MATCHING else EXACT_ATTACK_WEAK
-        ranked.append((source, -float(confidence), values))
-    ranked.sort(key=lambda item: item[:2])  # stable: the route's rows in the order found
+    if route_agreement is None:
+        route_agreement = np.zeros(len(route.samples))
+    if attack_agreement is None:
+        attack_agreement = attack_confidence
+    unclaimed_tier = 2
+    # (tier, -agreement, the attack's row before the route's on a tie, source, row); sorted stably
+    ranked: list[tuple[int, float, int, int, np.ndarray]] = []
+    for sample, agreement in zip(route.samples, route_agreement, strict=True):
+        if not np.any(sample.inputs):
+            continue
+        if sample.verified:
+            ranked.append((0, 0.0, 1, ROUTE_CHECKED, sample.inputs))
+        else:
+            ranked.append((unclaimed_tier, -float(agreement), 1, ROUTE_UNCHECKED, sample.inputs))
+    for values, confidence, agreement in zip(attack_rows, attack_confidence, attack_agreement, strict=True):
+        if confidence >= CONFIDENT_MATCHING:
+            ranked.append((1, -float(confidence), 0, EXACT_ATTACK, values))
+        else:
+            ranked.append((unclaimed_tier, -float(agreement), 0, EXACT_ATTACK_WEAK, values))
+    ranked.sort(key=lambda item: item[:3])
     rows: list[np.ndarray] = []
     sources: list[int] = []
     duplicates: list[np.ndarray] = []
-    for source, _, values in ranked:
+    for _, _, _, source, values in ranked:
         if any(_cosine(values, kept) > DUPLICATE_COSINE for kept in rows):
             duplicates.append(values)
         elif len(rows) < batch_size:
@@ -218,15 +242,25 @@ def complete_with_next_layer(
         )
     attack_rows = reconstruction.inputs.double().numpy()
     attack_confidence = reconstruction.confidence.double().numpy()
-    rows, sources = merged_rows(route, attack_rows, attack_confidence, b)
     relative_noise = float(stats.get("relative_noise", 0.0))
     factors = decompose(torch.from_numpy(observed.weight_update), batch_size=b)
     left = factors.left.numpy()
+
+    def agreement(inputs: np.ndarray) -> np.ndarray:
+        return pattern_agreement(inputs, observed=observed, left=left, relative_noise=relative_noise)
+
+    route_rows = np.array([sample.inputs for sample in route.samples])
+    rows, sources = merged_rows(
+        route,
+        attack_rows,
+        attack_confidence,
+        b,
+        route_agreement=agreement(route_rows),
+        attack_agreement=agreement(attack_rows),
+    )
     from_route = (sources == ROUTE_CHECKED) | (sources == ROUTE_UNCHECKED)
     confidence = _attack_confidence(rows, attack_rows, attack_confidence)
-    confidence[from_route] = pattern_agreement(
-        rows[from_route], observed=observed, left=left, relative_noise=relative_noise
-    )
+    confidence[from_route] = agreement(rows[from_route])
     claimed = (sources == ROUTE_CHECKED) | (sources == EXACT_ATTACK)
     stats.update(
         next_layer_checked=int((sources == ROUTE_CHECKED).sum()),

@@ -195,7 +195,8 @@ def self_check(
 
     reasons = []
     if found is not None and not bool(found.all()):
-        reasons.append(f"{int((~found).sum())} placeholder rows")
+        unconfirmed = int((~found).sum())
+        reasons.append(f"{unconfirmed} row{'' if unconfirmed == 1 else 's'} without a confirmed direction")
     if residual > tolerance:
         reasons.append(f"re-synthesised weight update off by {residual:.2g} (noise allows {tolerance:.2g})")
     if bias_residual > bias_tolerance:
