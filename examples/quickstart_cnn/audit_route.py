@@ -14,6 +14,11 @@ confirmed ("checked", the rows the verdict claims) and checked rows that are not
 flattened photo patches, ``Linear(3072, 120)`` as its first layer, the same batches, seeds, step
 and budget. fc1 then sees the images themselves, so the rows are scored against the pixels: the
 like-for-like answer to "are the CNN's features recovered as reliably as images?".
+
+``--images`` then fits images through the conv layers to the rows the audit *claims*
+(``fl_attack.attacks.feature_inversion``, features only, total-variation weight
+``--tv-weight``, default 1.0) and scores them against the photos (PSNR, SSIM): what a server
+gets back as pictures from a batch of 32 it does not recover whole.
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure_frontier import client_step  # noqa: E402
+from measure_frontier import client_step, fit_images, image_scores  # noqa: E402
 
 from clients.ground_truth import layer_inputs  # noqa: E402
 from fl_attack import get_attack  # noqa: E402
 from fl_attack.audit import Auditor  # noqa: E402
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate  # noqa: E402
-from fl_attack.data.images import load_dataset  # noqa: E402
+from fl_attack.data.images import ImageData, load_dataset  # noqa: E402
 from fl_attack.results.store import AttackRecord  # noqa: E402
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR  # noqa: E402
 
@@ -114,12 +119,45 @@ def trial(batch_size: int, seed: int, args: argparse.Namespace) -> dict[str, Any
         1, [ClientUpdate(identity=ClientIdentity(node_id=seed), arrays=state_arrays(net))]
     )
     auditor.close()
-    return {
+    row = {
         "model": args.model,
         "batch_size": batch_size,
         "seed": seed,
         "wall_s": round(time.perf_counter() - started, 1),
     } | score(record, truth)
+    if args.images and args.model == "cnn" and record.inputs is not None and row["checked"]:
+        row |= claimed_images(record.inputs[: row["checked"]], received, images, truth, data, args, seed)
+    return row
+
+
+def claimed_images(
+    claimed: np.ndarray,
+    received: torch.nn.Module,
+    images: torch.Tensor,
+    truth: np.ndarray,
+    data: ImageData,
+    args: argparse.Namespace,
+    seed: int,
+) -> dict[str, Any]:
+    """Images fitted through the conv layers to the rows the audit claims, scored against the photos.
+
+    The server picks the rows (the claimed ones) and fits them without ground truth; only the
+    score pairs each row with the true photo whose features lie nearest.
+    """
+    features = torch.from_numpy(np.asarray(claimed, dtype=np.float64))
+    nearest = [int(np.argmin(np.linalg.norm(truth - row, axis=1))) for row in claimed]
+    fit_args = argparse.Namespace(
+        steps=args.steps, fit_lr=0.01, tv_weight=args.tv_weight, gradient_weight=0.0
+    )
+    fitted = fit_images(received, features.float(), data, gradients=None, init=None, args=fit_args, seed=seed)
+    pictures = data.denormalize(fitted).clamp(0.0, 1.0)
+    true_pixels = data.denormalize(images[nearest]).clamp(0.0, 1.0)
+    flat = torch.tensor(data.mean).view(1, -1, 1, 1).expand_as(true_pixels)  # the data's mean colour
+    return (
+        {"images_fitted": len(nearest)}
+        | image_scores(pictures, true_pixels, "claimed")
+        | image_scores(flat, true_pixels, "flat")
+    )
 
 
 def main() -> None:
@@ -137,6 +175,11 @@ def main() -> None:
     parser.add_argument(
         "--model", choices=("cnn", "mlp"), default="cnn", help="the quickstart CNN or its image twin"
     )
+    parser.add_argument(
+        "--images", action="store_true", help="fit images through the conv layers to the claimed rows"
+    )
+    parser.add_argument("--tv-weight", type=float, default=1.0, help="TV prior of the image fit")
+    parser.add_argument("--steps", type=int, default=2000, help="Adam steps of the image fit")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for batch_size in (int(item) for item in args.batch_sizes.split(",")):
