@@ -16,6 +16,7 @@ import torch
 
 import fl_attack.pipeline.input_rounds as input_rounds_module
 import fl_attack.pipeline.missing_samples as missing_module
+import fl_attack.pipeline.twin_planes as twin_planes_module
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.pipeline.decompose import decompose
 from fl_attack.pipeline.input_side import InputSide
@@ -76,10 +77,27 @@ def test_without_them_the_first_round_falls_short() -> None:
     def nothing(side: InputSide, known: torch.Tensor, **_: object) -> torch.Tensor:
         return known.new_zeros(0, BATCH)
 
-    with mock.patch.object(missing_module, "missing_sample_directions", nothing):
+    def no_planes(factors: object, directions: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
+        return directions.new_zeros(0, BATCH)
+
+    # the twin planes (fl_attack/pipeline/twin_planes.py) reach these samples too: both off
+    with (
+        mock.patch.object(missing_module, "missing_sample_directions", nothing),
+        mock.patch.object(twin_planes_module, "twin_plane_proposals", no_planes),
+    ):
         reconstruction, inputs = attack_deep_victim(0, one_round=True)
     assert not reconstruction.complete
     assert recovered_rows(reconstruction, inputs, tolerance=1e-5) < BATCH
+
+
+def test_the_twin_planes_alone_also_finish_the_first_round_exactly() -> None:
+    def nothing(side: InputSide, known: torch.Tensor, **_: object) -> torch.Tensor:
+        return known.new_zeros(0, BATCH)
+
+    with mock.patch.object(missing_module, "missing_sample_directions", nothing):
+        reconstruction, inputs = attack_deep_victim(0, one_round=True)
+    assert reconstruction.complete
+    assert recovered_rows(reconstruction, inputs, tolerance=1e-5) == BATCH
 
 
 def true_columns(update_inputs: torch.Tensor, weight_grad: torch.Tensor, batch: int) -> torch.Tensor:

@@ -27,7 +27,6 @@ from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_
 from fl_attack.pipeline.input_rounds import interleave_input_side
 from fl_attack.pipeline.input_side import InputSideSlot
 from fl_attack.pipeline.missing_samples import missing_direction_proposals, trusted_directions
-from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.out_of_time import decompose_in_time
 from fl_attack.pipeline.precision import precision_stats
 from fl_attack.pipeline.select import (
@@ -41,6 +40,7 @@ from fl_attack.pipeline.select import (
 from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
 from fl_attack.pipeline.trusted import trusted_selection, uses_trusted_selection
+from fl_attack.pipeline.twin_planes import split_blends, twin_self_check
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.validation import check_batch_size, check_local_steps, check_time_budget
@@ -324,12 +324,12 @@ class GradientInversionAttack(ABC):
             pre_activation_basis=scorer.pre_activation_basis,
         )
         check = drift_self_check(check, scorer=scorer, selection=selection, stats=stats)
+        check = twin_self_check(check, scorer=scorer, selection=selection, accept=self.accept_matching)
         stats.update(check.stats())
         if not noisy and selection.complete:
             stats.update(precision_stats(scorer, selection))
-        # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it
-        # barely above chance (noisy), are not a reconstruction: never report them complete; nor
-        # drifted ones (drift consistency admitted a blend of look-alike samples once)
+        # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it barely above
+        # chance (noisy), are no reconstruction: never complete; nor drifted ones (it admitted look-alikes once)
         claimed = selection.complete and (
             selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
@@ -449,8 +449,8 @@ class GradientInversionAttack(ABC):
             unselected = rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]
             mixtures = torch.cat([pool.mixtures, unselected, doubtful], dim=0)
-            proposals = split_mixtures(
-                state.factors, mixtures, pool.directions, pool.tolerance, deadline=state.deadline
+            proposals = split_blends(
+                state.factors, mixtures, pool.directions, selection.directions, pool.tolerance, state.deadline
             )
             state.stats["split_proposals"] = state.stats.get("split_proposals", 0) + int(proposals.shape[0])
             added = pool.add(proposals, deadline=state.deadline)
