@@ -9,10 +9,12 @@ counts those its check confirmed, without ever calling the batch exact.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ sys.path.insert(0, str(EXAMPLE))
 
 from measure_frontier import client_step  # noqa: E402
 
+import fl_attack.attacks.next_layer_merge as next_layer_merge_module  # noqa: E402
 from clients.ground_truth import layer_inputs  # noqa: E402
 from fl_attack import get_attack  # noqa: E402
 from fl_attack.attacks.next_layer import (  # noqa: E402
@@ -136,6 +139,52 @@ def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -
         assert not result.complete
         assert sorted(errors.argmin(axis=1).tolist()) == list(range(8))
         assert errors.min(axis=1).max() < EXACT_RELATIVE_ERROR
+    assert merged.stats["next_layer_attack_rows"] == 8
+
+
+def test_the_merge_does_not_claim_what_the_twin_check_withheld() -> None:
+    # batch 8, seed 0: SPEAR++ recovers the batch and claims it. Were its self-check to find
+    # near-identical samples with another batch as good, the merge must not claim its rows back.
+    received, net, _, _ = client_step(
+        load_dataset("photo-patches", split="train"), batch_size=8, seed=0, lr=0.1
+    )
+
+    def values(tensor: torch.Tensor) -> np.ndarray:
+        return np.asarray(tensor.detach().double().numpy())
+
+    weight, bias = values(received.fc1.weight), values(received.fc1.bias)
+    observed = NextLayerObservation(
+        weight=weight,
+        bias=bias,
+        weight_update=values(net.fc1.weight) - weight,
+        bias_update=values(net.fc1.bias) - bias,
+        next_weight_update=values(net.fc2.weight) - values(received.fc2.weight),
+    )
+    claimed = get_attack("spear++", device="cpu", seed=0, progress=False).invert(
+        torch.from_numpy(observed.weight_update),
+        torch.from_numpy(observed.bias_update),
+        weight=torch.from_numpy(weight),
+        bias=torch.from_numpy(bias),
+        time_budget=10.0,
+        batch_size=8,
+    )
+    assert claimed.complete and claimed.self_check is not None
+    check = dataclasses.replace(
+        claimed.self_check, passed=False, reasons=("1 pair of near-identical samples",), ambiguous_twins=1
+    )
+    withheld = dataclasses.replace(claimed, complete=False, self_check=check)
+    unchanged = dataclasses.replace(claimed, complete=False)
+    # the route finds one row again, unchecked: the merge keeps the attack's 8 rows either way
+    again = NextLayerResult(
+        samples=(_sample(claimed.inputs[0].numpy() * 2.0, verified=False),),
+        batch_size=8,
+        rounds=1,
+        seconds=0.0,
+    )
+    with mock.patch.object(next_layer_merge_module, "recover_from_next_layer", lambda *_, **__: again):
+        assert complete_with_next_layer(unchanged, observed, time_budget=1.0, seed=0).complete
+        merged = complete_with_next_layer(withheld, observed, time_budget=1.0, seed=0)
+    assert not merged.complete
     assert merged.stats["next_layer_attack_rows"] == 8
 
 

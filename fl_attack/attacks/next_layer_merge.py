@@ -8,7 +8,8 @@ runs it on a reconstruction that is not complete and merges its rows:
 1. the route's *checked* rows (its own input-side check passed, see
    :attr:`fl_attack.attacks.next_layer.RecoveredSample.verified`): these are claimed;
 2. the exact attack's rows whose ReLU pattern agrees with the update everywhere it is read
-   (confidence at least :data:`CONFIDENT_MATCHING`);
+   (confidence at least :data:`CONFIDENT_MATCHING`), unless its self-check found near-identical
+   samples with another batch as good (``SelfCheck.ambiguous_twins``);
 3. the route's unchecked rows (a ReLU pattern consistent with both updates, but an input that
    its check could not confirm) and the exact attack's other rows, together, by how well each
    row's own ReLU pattern agrees with the update (:func:`pattern_agreement`; an exact attack's
@@ -242,6 +243,10 @@ def complete_with_next_layer(
         )
     attack_rows = reconstruction.inputs.double().numpy()
     attack_confidence = reconstruction.confidence.double().numpy()
+    claimable = attack_confidence
+    if reconstruction.self_check.ambiguous_twins:
+        # near-identical samples: another batch explains the update as well, none of these is claimed
+        claimable = np.minimum(attack_confidence, np.nextafter(CONFIDENT_MATCHING, 0.0))
     relative_noise = float(stats.get("relative_noise", 0.0))
     factors = decompose(torch.from_numpy(observed.weight_update), batch_size=b)
     left = factors.left.numpy()
@@ -253,7 +258,7 @@ def complete_with_next_layer(
     rows, sources = merged_rows(
         route,
         attack_rows,
-        attack_confidence,
+        claimable,
         b,
         route_agreement=agreement(route_rows),
         attack_agreement=agreement(attack_rows),

@@ -74,6 +74,9 @@ class SelfCheck:
         Rank of the inputs (above the noise when ``exact``); ``passed`` needs ``rank == b``.
     reasons
         One short phrase per failed check (empty when passed).
+    ambiguous_twins
+        Pairs of near-identical rows whose plane holds another batch that matches and passes as
+        well (:func:`fl_attack.pipeline.twin_planes.twin_self_check`); 0 when not found or not tested.
     """
 
     passed: bool
@@ -87,6 +90,7 @@ class SelfCheck:
     pattern_twins: int | None
     rank: int
     reasons: tuple[str, ...]
+    ambiguous_twins: int = 0
 
     def stats(self) -> dict[str, Any]:
         """The figures as flat ``self_check_*`` statistics (``min_pair_distance`` unprefixed)."""
@@ -104,6 +108,8 @@ class SelfCheck:
         }
         if self.pattern_twins is not None:
             figures["self_check_pattern_twins"] = self.pattern_twins
+        if self.ambiguous_twins:
+            figures["self_check_ambiguous_twins"] = self.ambiguous_twins
         return figures
 
 

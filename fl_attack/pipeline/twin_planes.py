@@ -32,7 +32,7 @@ from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors
 from fl_attack.pipeline.mixtures import split_mixtures
 from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
-from fl_attack.pipeline.self_check import SelfCheck
+from fl_attack.pipeline.self_check import SelfCheck, self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, deduplicate, zero_masks
 
 __all__ = ["PLANE_FLOPS", "split_blends", "twin_ambiguity", "twin_plane_proposals", "twin_self_check"]
@@ -192,7 +192,8 @@ def twin_ambiguity(
     For each pair of rows whose ReLU patterns differ on 1 to :data:`TWIN_PATTERN_DIFFERENCE`
     neurons, every direction of the pair's plane at which some neuron vanishes is put in place
     of either row's direction; the pair counts when such a batch matches the update at
-    ``accept_matching`` for every sample, as the selected one does. Where testing every pair
+    ``accept_matching`` for every sample and passes the same self-check
+    (:func:`fl_attack.pipeline.self_check.self_check`), as the selected one does. Where testing every pair
     would exceed :data:`AMBIGUITY_FLOPS`, every such pair counts.
     """
     directions = selection.directions
@@ -223,9 +224,26 @@ def twin_ambiguity(
         sets[: candidates.shape[0], first] = candidates
         sets[candidates.shape[0] :, second] = candidates
         per_sample, _ = scorer.score(sets)
-        if bool((per_sample.min(dim=1).values >= accept_matching).any()):
+        matching = sets[per_sample.min(dim=1).values >= accept_matching]
+        if any(_passes_self_check(scorer, other) for other in matching):
             ambiguous += 1
     return ambiguous
+
+
+def _passes_self_check(scorer: SparsityMatchingScorer, directions: torch.Tensor) -> bool:
+    """Whether the batch of ``directions`` passes the same self-check as a claimed batch."""
+    update = scorer.update
+    check = self_check(
+        scorer.inputs(directions),
+        factors=scorer.factors,
+        weight=update.weight,
+        bias=update.bias,
+        bias_grad=update.bias_grad,
+        relative_noise=scorer.tolerance.relative_noise,
+        exact=True,
+        pre_activation_basis=scorer.pre_activation_basis,
+    )
+    return check.passed
 
 
 def twin_self_check(
@@ -246,4 +264,4 @@ def twin_self_check(
         f"{pairs} pair{'' if pairs == 1 else 's'} of near-identical samples: another batch "
         "explains the update as well"
     )
-    return replace(check, passed=False, reasons=(*check.reasons, reason))
+    return replace(check, passed=False, reasons=(*check.reasons, reason), ambiguous_twins=pairs)
