@@ -86,7 +86,12 @@ def batch_gap(
     setting = Setting("dp", cell, ("l1",), 1, params={"noise_factor": factor}, threshold_db=_THRESHOLD_DB)
     trial = draw_trial(data, setting, index=seed, seed=seed)
     observation = observe(setting, trial, data)
-    options = {"known_batch_size": True, "time_budget": budget, "hard_limit_slack": 30.0}
+    options = {
+        "known_batch_size": True,
+        "time_budget": budget,
+        "hard_limit_slack": 30.0,
+        "known_local_steps": False,
+    }
     rec = invert("l1", observation, trial=trial, data=data, options=options)
     ref, ours = observation.reference, rec.inputs.to(torch.float64)
     grad = observation.update.weight_grad.double()
