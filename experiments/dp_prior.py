@@ -85,7 +85,7 @@ def denoised_attack(
         std=data.std,
     )
     scaled = inputs.to(torch.float64) * factors[:, None]
-    return _tv_and_range(scaled, noise * factors, data)
+    return tv_and_range(scaled, noise * factors, data)
 
 
 def denoised_oracle(
@@ -98,10 +98,11 @@ def denoised_oracle(
 ) -> torch.Tensor:
     """The oracle's least-squares inputs under the same TV and pixel-range prior (it knows the scales)."""
     noise = row_noise_std(weight_grad=weight_grad, inputs=inputs, noise_std=noise_std, columns=columns)
-    return _tv_and_range(inputs.to(torch.float64), noise, data)
+    return tv_and_range(inputs.to(torch.float64), noise, data)
 
 
-def _tv_and_range(inputs: torch.Tensor, noise: torch.Tensor, data: ImageData) -> torch.Tensor:
+def tv_and_range(inputs: torch.Tensor, noise: torch.Tensor, data: ImageData) -> torch.Tensor:
+    """TV-denoise each row by its noise std (luma and chroma apart for 3 channels) and clip to the pixel range."""
     c, h, w = data.image_shape
     if c == 3:
         return denoise_images(

@@ -17,8 +17,9 @@ Two *priors*, for callers that know what their inputs are: :func:`prior_scales` 
 uncertainty with a prior on the inputs' size (the rms of their entries over data of the same
 kind) into a factor per row, and :func:`denoise_images`, for images, is a total-variation (ROF)
 denoising of each recovered image with a weight proportional to the noise std its row carries,
-then clipping to the pixel range. Neither is applied by the attacks (they stay agnostic of the
-data kind), and a denoised result is an estimate, never exact.
+then clipping to the pixel range (optionally luma and chroma apart). Neither is applied by the
+attacks (they stay agnostic of the data kind), and a denoised result is an estimate, never exact.
+For photos, :mod:`fl_attack.pipeline.box_fill` gives a tighter scale prior than the size prior.
 """
 
 from __future__ import annotations
