@@ -13,7 +13,7 @@ from fl_attack.pipeline.box_fill import (
     calibrate_box_fill,
     log_box_fill,
 )
-from fl_attack.pipeline.denoise import denoise_images
+from fl_attack.pipeline.denoise import denoise_images, opponent_tv
 
 MEAN, STD = (0.5,), (0.25,)
 
@@ -197,3 +197,13 @@ def test_luma_chroma_tv_needs_three_channels_and_a_positive_weight() -> None:
             std=RGB_STD,
             chroma_strength=0.0,
         )
+
+
+def test_opponent_tv_keeps_constant_images_and_needs_three_channels() -> None:
+    constant = torch.tensor([0.2, 0.5, 0.9], dtype=torch.float64).view(1, 3, 1, 1).repeat(2, 1, 6, 6)
+    out = opponent_tv(constant, luma_weight=torch.tensor([0.3, 1.0]), chroma_weight=torch.tensor([2.0, 0.5]))
+    torch.testing.assert_close(out, constant, rtol=0, atol=1e-12)
+    with pytest.raises(
+        ValueError, match=r"opponent_tv needs \(B, 3, H, W\) images, got torch.Size\(\[1, 1, 4, 4\]\)"
+    ):
+        opponent_tv(torch.zeros(1, 1, 4, 4), luma_weight=torch.ones(1), chroma_weight=torch.ones(1))

@@ -8,8 +8,9 @@ edge of the range on ``x_k``'s side, is close to 1 (its *box fill*; log std 0.07
 CIFAR-10 training images, against 0.27 for the log of the images' rms). The box fill of a
 recovered row scales as ``1 / c_i``, so it estimates ``c_i``.
 
-On a noisy row the maximum is read off a total-variation denoising of the row (ROF, weight the
-row's noise std: both scale with the row, so the statistic stays scale-covariant); that
+On a noisy row the maximum is read off a total-variation denoising of the row (ROF, weights
+proportional to the row's noise std, luma and chroma apart for colour images: both scale with
+the row, so the statistic stays scale-covariant); that
 statistic is biased and spread by the noise according to the row's signal-to-noise ratio, which
 :func:`calibrate_box_fill` measures by simulation on clean images of the same kind (white
 Gaussian noise of a known ratio) and :func:`box_fill_scales` interpolates. The resulting
@@ -27,10 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.pipeline.denoise import tv_denoise
+from fl_attack.pipeline.denoise import opponent_tv, tv_denoise
 
 #: TV dual steps of the denoising the box fill is read from (calibration and use alike).
 _TV_ITERATIONS = 100
+
+#: TV weights of that denoising per unit of the row's noise std: 3-channel images are denoised in
+#: an opponent basis, luma and chroma apart (chosen on CIFAR-10 at 1x median noise, seeds 10-14:
+#: log-scale error 0.114 against 0.125 with the channels coupled at weight 1); others coupled at 1.
+_LUMA_WEIGHT = 1.0
+_CHROMA_WEIGHT = 2.0
 
 #: Box fills below this share of the range count as this share (no log of 0 for an all-zero row).
 _TINY_FILL = 1e-6
@@ -132,7 +139,16 @@ def log_box_fill(images: torch.Tensor, *, mean: Sequence[float], std: Sequence[f
 def _denoised_fill(
     images: torch.Tensor, noise: torch.Tensor, *, mean: Sequence[float], std: Sequence[float]
 ) -> torch.Tensor:
-    return log_box_fill(tv_denoise(images, weight=noise, iterations=_TV_ITERATIONS), mean=mean, std=std)
+    if images.shape[1] == 3:
+        denoised = opponent_tv(
+            images,
+            luma_weight=_LUMA_WEIGHT * noise,
+            chroma_weight=_CHROMA_WEIGHT * noise,
+            iterations=_TV_ITERATIONS,
+        )
+    else:
+        denoised = tv_denoise(images, weight=noise, iterations=_TV_ITERATIONS)
+    return log_box_fill(denoised, mean=mean, std=std)
 
 
 def calibrate_box_fill(
