@@ -17,8 +17,8 @@ trial t = seed t, as ``python -m experiments run spearpp-t3``) and scores, again
   attack that finds every direction as well as that factor allows;
 - ``bias_scale``: the true ``dL/dZ`` directions with scales from the noisy bias gradient, and
   ``scale_err``: the rms relative error of those scales; ``oracle``: the true ``dL/dZ``;
-- the image prior step by step: ``clip`` (pixel range only), ``tv`` (TV and range) and
-  ``denoised`` (size prior, TV and range: the table's *denoised*).
+- the image prior step by step: ``clip`` (pixel range only), ``tv`` (luma/chroma TV and range)
+  and ``denoised`` (box-fill scale prior, TV and range: the table's *denoised*).
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from collections.abc import Sequence
 import torch
 
 from experiments.config import Cell, Setting, parse_cells
-from experiments.dp_prior import denoised_attack
+from experiments.dp_prior import denoised_attack, tv_and_range
 from experiments.observe import draw_trial, observe
 from experiments.runner import invert, load_data
 from fl_attack.data.images import ImageData
 from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.denoise import denoise_images, row_noise_std
+from fl_attack.pipeline.denoise import row_noise_std
 from fl_attack.simulate.victims import output_gradient
 
 _THRESHOLD_DB = 25.0
@@ -86,7 +86,12 @@ def batch_gap(
     setting = Setting("dp", cell, ("l1",), 1, params={"noise_factor": factor}, threshold_db=_THRESHOLD_DB)
     trial = draw_trial(data, setting, index=seed, seed=seed)
     observation = observe(setting, trial, data)
-    options = {"known_batch_size": True, "time_budget": budget, "hard_limit_slack": 30.0}
+    options = {
+        "known_batch_size": True,
+        "time_budget": budget,
+        "hard_limit_slack": 30.0,
+        "known_local_steps": False,
+    }
     rec = invert("l1", observation, trial=trial, data=data, options=options)
     ref, ours = observation.reference, rec.inputs.to(torch.float64)
     grad = observation.update.weight_grad.double()
@@ -102,8 +107,7 @@ def batch_gap(
     scales = torch.linalg.lstsq(unit.T, bias[:, None]).solution.squeeze(1)
     scaled = unit * scales[:, None]
     noise = row_noise_std(weight_grad=grad, inputs=ours, noise_std=noise_std)
-    c, h, w = data.image_shape
-    tv = denoise_images(ours, row_noise=noise, image_shape=(c, h, w), mean=data.mean, std=data.std)
+    tv = tv_and_range(ours, noise, data)
     clip = data.normalize(data.denormalize(ours).clamp(0.0, 1.0)).reshape(ours.shape[0], -1)
     denoised = denoised_attack(ours, weight_grad=grad, bias_grad=bias, noise_std=noise_std, data=data)
     return {
