@@ -24,6 +24,7 @@ from experiments.runner import load_data
 from fl_attack.pipeline.candidates import informative_rows
 from fl_attack.pipeline.decompose import LowRankFactors, decompose
 from fl_attack.pipeline.search import (
+    SETTLED_ENTRY,
     SphereSchedule,
     _RiemannianAdam,
     get_surrogate,
@@ -104,24 +105,18 @@ def profile_round(
             rounded = round_minima(problem.factors, state.point.to(torch.float64), rows=rows, exact=True)
             round_seconds = time.perf_counter() - begin
             index = hits(problem, rounded)
+            exact = index[index >= 0]
             unit = state.point.to(torch.float64)
             near = (unit / unit.norm(dim=1, keepdim=True) @ problem.truth.T).abs().max(dim=1).values
-            small = ((unit @ problem.factors.left.T).abs() < 0.01 / math.sqrt(m)).sum(dim=1)
+            small = ((unit @ problem.factors.left.T).abs() < SETTLED_ENTRY / math.sqrt(m)).sum(dim=1)
             true_min = near > 0.99
+            line = f"    step {step + 1}: minima with |cos| to a true direction > 0.99: {int(true_min.sum())}"
+            line += f", median |cos| {float(near.median()):.3f}; vanishing entries:"
             if bool(true_min.any()):
-                print(f"    small entries: true minima min {int(small[true_min].min())}", end=" ")
+                line += f" true minima >= {int(small[true_min].min())}"
             if bool((~true_min).any()):
-                print(
-                    f"spurious max {int(small[~true_min].max())} "
-                    f"median {float(small[~true_min].float().median()):.0f}",
-                    end=" ",
-                )
-            print(
-                f"    step {step + 1}: minima |cos| to truth > 0.999 {int((near > 0.999).sum())}, "
-                f"> 0.99 {int((near > 0.99).sum())}, > 0.9 {int((near > 0.9).sum())}, "
-                f"> 0.7 {int((near > 0.7).sum())}, median {float(near.median()):.3f}"
-            )
-            exact = index[index >= 0]
+                line += f" others <= {int(small[~true_min].max())} (median {float(small[~true_min].float().median()):.0f})"
+            print(line)
             distinct = set(exact.tolist())
             report[step + 1] = (
                 int(exact.numel()),
@@ -150,7 +145,9 @@ def main() -> None:
     b, m = (int(part) for part in args.cell.split("x"))
     begin = time.perf_counter()
     problem = build_problem(cell=Cell(b, m), seed=args.seed)
-    print(f"cell {b}x{m} seed {args.seed}: rows {problem.factors.left.shape[0]}, set-up {time.perf_counter() - begin:.1f} s")
+    print(
+        f"cell {b}x{m} seed {args.seed}: rows {problem.factors.left.shape[0]}, set-up {time.perf_counter() - begin:.1f} s"
+    )
     starts = args.starts or int(max(256, min(32 * b, 4096, 1.5e9 // (m * b))))
     checkpoints = tuple(int(c) for c in args.checkpoints.split(","))
     generator = torch.Generator().manual_seed(args.seed)
