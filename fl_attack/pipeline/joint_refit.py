@@ -11,8 +11,11 @@ The inputs a selection implies predict which neurons each sample leaves inactive
 pattern, right on about 96% of the neurons). An entry that is both small and predicted inactive
 is a zero far more surely than a small one alone, and a wrongly predicted entry is left out by
 the size test (it carries a large entry). :func:`joint_refit` re-fits every found direction on
-those zeros at once, with the other directions' inputs fixed, and iterates; on the batch above
-it raised the median cosine to the truth from 0.9972 to 0.9983 (10% quantile 0.9903 to 0.9945).
+those zeros at once, with the other directions' inputs fixed, and iterates. On the 99 true
+directions one attack found on the batch above (completed, for the measurement, by the 51 true
+ones it missed) 3 iterations raised the median cosine to the truth from 0.9971 to 0.9985 (10%
+quantile 0.9906 to 0.9951) and the batch from 27.0 to 28.0 dB; re-fitting on the true zeros
+reaches 0.9990.
 """
 
 from __future__ import annotations
