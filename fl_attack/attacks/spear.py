@@ -34,12 +34,11 @@ from fl_attack.pipeline.select import (
     SparsityMatchingScorer,
     better_selection,
     finishing_seconds,
-    prune_doubtful,
     select,
 )
 from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
-from fl_attack.pipeline.trusted import trusted_selection, uses_trusted_selection
+from fl_attack.pipeline.trusted import finish_noisy, trusted_selection, uses_trusted_selection
 from fl_attack.pipeline.twin_planes import split_blends, twin_self_check
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
@@ -418,7 +417,8 @@ class GradientInversionAttack(ABC):
         if state.noisy and b > 1:
             found = int(best.found.sum())
             # pruning is worth a little time past the deadline: a wrong row spoils every sample
-            best = prune_doubtful(scorer, best, deadline=state.finish_by)
+            width = state.factors.left.shape[0]  # the last steps: pruning, a joint re-fit on wide layers
+            best = finish_noisy(scorer, best, width=width, deadline=state.finish_by)
             state.stats["pruned"] = found - int(best.found.sum())
         return best if state.noisy else polish_for(scorer, best)
 

@@ -16,6 +16,7 @@ from fl_attack.pipeline.deadline import (
     svdvals_seconds,
     symmetric_eigen_seconds,
 )
+from fl_attack.pipeline.gram_spectrum import noisy_spectrum
 
 #: Without a known rounding floor, a singular-value gap at least this large is taken as the
 #: noise-free rank cut (float32 rounding of a gradient puts the tail about six orders of
@@ -310,15 +311,27 @@ def decompose(
         If the deadline passed, or would pass during a LAPACK call, before the factors are known.
     """
     m, n = weight_grad.shape
+    noisy, u, vh = None, None, None
     if min(m, n) >= LARGE_SIDE:
+        # the noisy route costs less than the singular values, but is not started when they would not fit
         require_time(
             svdvals_seconds(m, n),
             deadline=deadline,
             what=f"the singular values of a {m} x {n} update",
             device=weight_grad.device,
         )
+        if batch_size is not None and 1 <= batch_size < min(m, n):
+            noisy = noisy_spectrum(
+                weight_grad,
+                rank=batch_size,
+                oversample=SUBSPACE_OVERSAMPLE,
+                max_ratio=SUBSPACE_MAX_RATIO,
+                deadline=deadline,
+            )
+    if noisy is not None:
+        s, top_vectors = noisy
+    elif min(m, n) >= LARGE_SIDE:
         s = torch.linalg.svdvals(weight_grad)
-        u = vh = None
     else:
         require_time(
             svd_seconds(m, n),
@@ -348,7 +361,9 @@ def decompose(
     if s[b - 1] <= 0:
         raise ValueError(f"the gradient has rank below the requested batch size {b}")
     top = s
-    if u is None or vh is None:
+    if noisy is not None:
+        u, top, vh = _gram_triplets(weight_grad, rank=b, deadline=deadline, top_vectors=top_vectors)
+    elif u is None or vh is None:
         u, top, vh = _top_singular_triplets(weight_grad, s, rank=b, deadline=deadline)
     left = u[:, :b].contiguous()
     right = (top[:b, None] * vh[:b]).contiguous()
@@ -401,7 +416,11 @@ def _top_singular_triplets(
 
 
 def _gram_triplets(
-    weight_grad: torch.Tensor, *, rank: int, deadline: float
+    weight_grad: torch.Tensor,
+    *,
+    rank: int,
+    deadline: float,
+    top_vectors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top ``rank`` singular triplets ``(u, s, vh)`` from the Gram matrix of the shorter side.
 
@@ -416,16 +435,17 @@ def _gram_triplets(
     m, n = weight_grad.shape
     tall = m >= n
     oriented = weight_grad if tall else weight_grad.T
-    gram = chunked_gram(oriented, deadline=deadline)
-    size = gram.shape[0]
-    require_time(
-        symmetric_eigen_seconds(size),
-        deadline=deadline,
-        what=f"the eigenvectors of a {size} x {size} Gram matrix",
-        device=gram.device,
-    )
-    _, vectors = torch.linalg.eigh(gram)
-    basis = vectors[:, -rank:].flip(1)  # top right singular vectors of `oriented`
+    if top_vectors is None:
+        gram = chunked_gram(oriented, deadline=deadline)
+        size = gram.shape[0]
+        require_time(
+            symmetric_eigen_seconds(size),
+            deadline=deadline,
+            what=f"the eigenvectors of a {size} x {size} Gram matrix",
+            device=gram.device,
+        )
+        top_vectors = torch.linalg.eigh(gram)[1]
+    basis = top_vectors[:, -rank:].flip(1)  # top right singular vectors of `oriented`
     small_u, top, small_vh = torch.linalg.svd(
         chunked_product(oriented, basis, deadline=deadline), full_matrices=False
     )
