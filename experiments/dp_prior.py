@@ -104,21 +104,13 @@ def denoised_oracle(
 def tv_and_range(inputs: torch.Tensor, noise: torch.Tensor, data: ImageData) -> torch.Tensor:
     """TV-denoise each row by its noise std (luma and chroma apart for 3 channels) and clip to the pixel range."""
     c, h, w = data.image_shape
-    if c == 3:
-        return denoise_images(
-            inputs,
-            row_noise=noise,
-            image_shape=(c, h, w),
-            mean=data.mean,
-            std=data.std,
-            strength=LUMA_STRENGTH,
-            chroma_strength=CHROMA_STRENGTH,
-        )
+    colour = c == 3
     return denoise_images(
         inputs,
         row_noise=noise,
         image_shape=(c, h, w),
         mean=data.mean,
         std=data.std,
-        strength=_COUPLED_STRENGTH,
+        strength=LUMA_STRENGTH if colour else _COUPLED_STRENGTH,
+        chroma_strength=CHROMA_STRENGTH if colour else None,
     )

@@ -54,6 +54,7 @@ from fl_attack.audit.units import Prepared  # noqa: E402
 from fl_attack.audit.verdict import decide_verdict  # noqa: E402
 from fl_attack.data.images import load_dataset  # noqa: E402
 from fl_attack.pipeline.decompose import decompose  # noqa: E402
+from fl_attack.reconstruction import Reconstruction  # noqa: E402
 from fl_attack.vocabulary import (  # noqa: E402
     EXACT_RELATIVE_ERROR,
     VERDICT_APPROXIMATE,
@@ -103,14 +104,12 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     assert record.seconds <= 8.0 * 1.1 + 1.0, record.seconds
 
 
-def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -> None:
-    # batch 8, seed 1: SPEAR++ recovers all 8 fc1 inputs exactly but cannot claim two of them
-    # (near-identical patches: patterns agree at 0.992); the route confirms none and finds rows
-    # whose patterns agree worse. Those once displaced an exact row of the attack's.
+def _attacked_batch_of_8(seed: int) -> tuple[NextLayerObservation, np.ndarray, Reconstruction]:
+    """Batch ``seed`` of 8 through the quickstart CNN: fc1 and fc2's updates, fc1's true inputs, and
+    SPEAR++'s result on fc1 alone (10 s budget)."""
     received, net, images, _ = client_step(
-        load_dataset("photo-patches", split="train"), batch_size=8, seed=1, lr=0.1
+        load_dataset("photo-patches", split="train"), batch_size=8, seed=seed, lr=0.1
     )
-    truth = layer_inputs(received, images).double().numpy()
 
     def values(tensor: torch.Tensor) -> np.ndarray:
         return np.asarray(tensor.detach().double().numpy())
@@ -123,8 +122,7 @@ def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -
         bias_update=values(net.fc1.bias) - bias,
         next_weight_update=values(net.fc2.weight) - values(received.fc2.weight),
     )
-    attack = get_attack("spear++", device="cpu", seed=0, progress=False)
-    reconstruction = attack.invert(
+    reconstruction = get_attack("spear++", device="cpu", seed=0, progress=False).invert(
         torch.from_numpy(observed.weight_update),
         torch.from_numpy(observed.bias_update),
         weight=torch.from_numpy(weight),
@@ -132,6 +130,14 @@ def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -
         time_budget=10.0,
         batch_size=8,
     )
+    return observed, layer_inputs(received, images).double().numpy(), reconstruction
+
+
+def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -> None:
+    # batch 8, seed 1: SPEAR++ recovers all 8 fc1 inputs exactly but cannot claim two of them
+    # (near-identical patches: patterns agree at 0.992); the route confirms none and finds rows
+    # whose patterns agree worse. Those once displaced an exact row of the attack's.
+    observed, truth, reconstruction = _attacked_batch_of_8(1)
     merged = complete_with_next_layer(reconstruction, observed, time_budget=3.0, seed=0)
     for result in (reconstruction, merged):
         rows = result.inputs.numpy()
@@ -145,29 +151,7 @@ def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -
 def test_the_merge_does_not_claim_what_the_twin_check_withheld() -> None:
     # batch 8, seed 0: SPEAR++ recovers the batch and claims it. Were its self-check to find
     # near-identical samples with another batch as good, the merge must not claim its rows back.
-    received, net, _, _ = client_step(
-        load_dataset("photo-patches", split="train"), batch_size=8, seed=0, lr=0.1
-    )
-
-    def values(tensor: torch.Tensor) -> np.ndarray:
-        return np.asarray(tensor.detach().double().numpy())
-
-    weight, bias = values(received.fc1.weight), values(received.fc1.bias)
-    observed = NextLayerObservation(
-        weight=weight,
-        bias=bias,
-        weight_update=values(net.fc1.weight) - weight,
-        bias_update=values(net.fc1.bias) - bias,
-        next_weight_update=values(net.fc2.weight) - values(received.fc2.weight),
-    )
-    claimed = get_attack("spear++", device="cpu", seed=0, progress=False).invert(
-        torch.from_numpy(observed.weight_update),
-        torch.from_numpy(observed.bias_update),
-        weight=torch.from_numpy(weight),
-        bias=torch.from_numpy(bias),
-        time_budget=10.0,
-        batch_size=8,
-    )
+    observed, _, claimed = _attacked_batch_of_8(0)
     assert claimed.complete and claimed.self_check is not None
     check = dataclasses.replace(
         claimed.self_check, passed=False, reasons=("1 pair of near-identical samples",), ambiguous_twins=1

@@ -70,7 +70,7 @@ def exact_found(
     candidates (an exact kernel with SPEAR's count of zeros, which a mixture of samples, vanishing
     only where both do, does not reach), in a complete selection also matching at
     ``accept_matching`` or better. In a partial selection the matching of every row is spoilt by
-    the placeholders beside it, so it is not asked for there."""
+    the unfound rows beside it, so it is not asked for there."""
     if selection is None:
         return pool_directions.new_zeros(0, pool_directions.shape[1])
     keep = selection.found & is_member(selection.directions, pool_directions)
