@@ -90,16 +90,6 @@ def test_without_them_the_first_round_falls_short() -> None:
     assert recovered_rows(reconstruction, inputs, tolerance=1e-5) < BATCH
 
 
-def test_the_twin_planes_alone_also_finish_the_first_round_exactly() -> None:
-    def nothing(side: InputSide, known: torch.Tensor, **_: object) -> torch.Tensor:
-        return known.new_zeros(0, BATCH)
-
-    with mock.patch.object(missing_module, "missing_sample_directions", nothing):
-        reconstruction, inputs = attack_deep_victim(0, one_round=True)
-    assert reconstruction.complete
-    assert recovered_rows(reconstruction, inputs, tolerance=1e-5) == BATCH
-
-
 def true_columns(update_inputs: torch.Tensor, weight_grad: torch.Tensor, batch: int) -> torch.Tensor:
     """Rows: the unit columns ``q_i`` of ``Q`` (``X^T = Q^{-1} R``) of the exact update."""
     factors = decompose(weight_grad, batch_size=batch)

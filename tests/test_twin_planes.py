@@ -123,9 +123,10 @@ def test_spear_recovers_a_cnn_batch_with_near_identical_features_exactly() -> No
 
 
 def test_near_identical_images_with_another_consistent_batch_are_not_claimed() -> None:
-    # the CNN's image twin, seed 24: four patches of one wall; the twin planes once led SPEAR++
-    # to a batch with one row 1e-2 off that matched the update as well as the true one and was
-    # reported complete. A complete claim must hold every row exact.
+    # the CNN's image twin, seed 24: four patches of one wall. Twin planes split from every
+    # selected direction (not only doubtful ones) once led SPEAR++ to a batch with one row 0.10
+    # off that matched the update as well as the true one and was reported complete. Whatever the
+    # search reaches, a complete claim must hold every row exact.
     torch.set_num_threads(1)
     received, net, truth = _quickstart_batch(24, image_twin=True)
     complete, rows = _attack(received, net)

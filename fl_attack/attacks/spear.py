@@ -449,9 +449,7 @@ class GradientInversionAttack(ABC):
             unselected = rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]
             mixtures = torch.cat([pool.mixtures, unselected, doubtful], dim=0)
-            proposals = split_blends(
-                state.factors, mixtures, pool.directions, selection.directions, pool.tolerance, state.deadline
-            )
+            proposals = split_blends(state.factors, mixtures, pool, doubtful, state.deadline)
             state.stats["split_proposals"] = state.stats.get("split_proposals", 0) + int(proposals.shape[0])
             added = pool.add(proposals, deadline=state.deadline)
             added += pool.add(

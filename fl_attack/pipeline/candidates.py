@@ -98,6 +98,7 @@ class CandidatePool:
         self.mixture_limit = max(64, 4 * b)
         self.proposals_seen = 0
         self.rejected_sparsity = 0
+        self.twin_planes: list[torch.Tensor] = []  # planes already split (fl_attack.pipeline.twin_planes)
 
     def __len__(self) -> int:
         return int(self.directions.shape[0])
