@@ -11,7 +11,7 @@ from fl_attack.validation import resolve_device
 
 ArrayLike = np.ndarray | torch.Tensor
 
-__all__ = ["ArrayLike", "ObservedUpdate", "resolve_device"]
+__all__ = ["ArrayLike", "ObservedUpdate", "as_float64", "resolve_device"]
 
 
 def _unit_roundoff(*values: ArrayLike) -> float:
@@ -33,7 +33,16 @@ def _unit_roundoff(*values: ArrayLike) -> float:
     return float(eps)
 
 
-def _as_tensor(value: ArrayLike, *, name: str, device: torch.device) -> torch.Tensor:
+def as_float64(value: ArrayLike, *, name: str, device: torch.device) -> torch.Tensor:
+    """``value`` as a float64 tensor on ``device``.
+
+    Raises
+    ------
+    TypeError
+        If it is not a real numpy array or torch tensor.
+    ValueError
+        If it holds NaN or Inf entries (naming ``name`` and how many).
+    """
     if isinstance(value, np.ndarray):
         if not np.issubdtype(value.dtype, np.floating) and not np.issubdtype(value.dtype, np.integer):
             raise TypeError(f"{name} must hold real numbers, got dtype {value.dtype}")
@@ -104,10 +113,10 @@ class ObservedUpdate:
         TypeError
             On inputs that are not real-valued arrays or tensors.
         """
-        weight_grad_t = _as_tensor(weight_grad, name="weight_grad", device=device)
-        bias_grad_t = _as_tensor(bias_grad, name="bias_grad", device=device)
-        weight_t = _as_tensor(weight, name="weight", device=device)
-        bias_t = _as_tensor(bias, name="bias", device=device)
+        weight_grad_t = as_float64(weight_grad, name="weight_grad", device=device)
+        bias_grad_t = as_float64(bias_grad, name="bias_grad", device=device)
+        weight_t = as_float64(weight, name="weight", device=device)
+        bias_t = as_float64(bias, name="bias", device=device)
         if weight_grad_t.ndim != 2:
             raise ValueError(
                 f"weight_grad must be a 2-D (m, n) matrix, got shape {tuple(weight_grad_t.shape)}"

@@ -21,6 +21,7 @@ from fl_attack.pipeline.candidates import (
 )
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, noise_std
+from fl_attack.pipeline.deflation import Deflation, deflation_for, next_layer_update
 from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
@@ -88,6 +89,7 @@ class SearchState:
     incumbent: torch.Tensor | None = None  # the best complete selection's directions so far
     input_side: InputSideSlot | None = None  # set by the input-side rounds where they run
     latest: Selection | None = None  # the best selection so far (read by the drift rounds)
+    deflation: Deflation | None = None  # samples certified by the next layer's update
 
 
 class GradientInversionAttack(ABC):
@@ -178,6 +180,7 @@ class GradientInversionAttack(ABC):
         noise_level: float | None = None,
         head_weight: ArrayLike | None = None,
         local_steps: int | None = None,
+        next_weight_grad: ArrayLike | None = None,
     ) -> Reconstruction:
         """Recover the inputs of the batch that produced a first-layer update.
 
@@ -204,6 +207,11 @@ class GradientInversionAttack(ABC):
             Full-batch local SGD steps (FedAvg) if known: above 1 the update must be ``W_E - W_0``
             itself, matched against both ends (:mod:`fl_attack.pipeline.drift`); None: the
             attack's own ``local_steps``.
+        next_weight_grad
+            ``(k, m)`` gradient (or one-step update) of the linear layer fed by this layer's ReLU,
+            from the same client step: each direction found is certified as one sample through it,
+            and later rounds search only past the certified samples
+            (:mod:`fl_attack.pipeline.deflation`). Used on clean one-step updates only.
 
         Returns
         -------
@@ -215,6 +223,7 @@ class GradientInversionAttack(ABC):
         ------
         ValueError
             On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` not ``(c, m)``,
+            a ``next_weight_grad`` not ``(k, m)``,
             ``c >= 1``) or a batch size that no exact attack can invert (``b >= min(m, n)``).
         TypeError
             If ``head_weight`` is not a real numpy array or torch tensor.
@@ -224,6 +233,9 @@ class GradientInversionAttack(ABC):
         check_batch_size(batch_size)
         device = resolve_device(self.device)
         update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
+        following = None
+        if next_weight_grad is not None:
+            following = next_layer_update(next_weight_grad, width=update.width, device=device)
         budget = time_budget if time_budget is not None else self.time_budget
         local_steps = self.local_steps if local_steps is None else local_steps
         factors = decompose_in_time(update, name=self.name, batch_size=batch_size, start=start, budget=budget)
@@ -299,6 +311,20 @@ class GradientInversionAttack(ABC):
             else math.inf,
             head=prior,
         )
+        state.deflation, off = deflation_for(
+            following,
+            search_factors,
+            weight=update.weight,
+            bias=update.bias,
+            active=active,
+            tolerance=tolerance,
+            relative_noise=relative_noise,
+            min_zeros=min_zeros,
+            noisy=noisy,
+            local_steps=local_steps,
+            deadline=state.deadline,
+        )
+        stats.update(off)
         selection = self._run(state, scorer)
         accepted = self._accepted(selection, scorer)
         if not accepted and stats.get("stopped_by") != "no_improvement" and expired(state.deadline):
@@ -325,6 +351,8 @@ class GradientInversionAttack(ABC):
         check = drift_self_check(check, scorer=scorer, selection=selection, stats=stats)
         check = twin_self_check(check, scorer=scorer, selection=selection, accept=self.accept_matching)
         stats.update(check.stats())
+        if state.deflation is not None:
+            stats.update(state.deflation.stats())
         if not noisy and selection.complete:
             stats.update(precision_stats(scorer, selection))
         # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it barely above
