@@ -469,8 +469,8 @@ class GradientInversionAttack(ABC):
         """Select; while not accepted, split remembered mixtures into new directions and retry."""
         pool = state.pool
         selection = self._select(state, scorer)
-        if state.noisy:
-            return selection
+        if state.noisy or (state.deflation is not None and state.deflation.progressing):
+            return selection  # the deflated search still certifies samples: no mixtures to split yet
         for _ in range(self.split_rounds):
             if self._accepted(selection, scorer) or expired(state.deadline):
                 break

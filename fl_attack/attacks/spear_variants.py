@@ -135,15 +135,14 @@ class SpearPlusPlus(GradientInversionAttack):
         rounds = 0
         stalled_at = -1  # exact directions known when the last aimed round began
         large = b >= LARGE_BATCH
-        pending = left.new_zeros(0, b)  # the last round's directions, certified when more are asked for
         while self.max_initializations is None or used < self.max_initializations:
             count = (
                 per_round
                 if self.max_initializations is None
                 else min(per_round, self.max_initializations - used)
             )
-            space = self._deflated_space(state, pending)  # (b, b') or None
-            pending = pending[:0]
+            # past the samples the next layer certified (fl_attack.pipeline.deflation); None: everywhere
+            space = None if state.deflation is None else state.deflation.space(deadline=state.deadline)
             if space is not None and space.shape[1] == 0:
                 return  # every sample is certified
             found: torch.Tensor | None = state.pool.directions
@@ -156,8 +155,7 @@ class SpearPlusPlus(GradientInversionAttack):
                 planned, found = round_plan(per_round, rounds_done=rounds, latest=state.latest)
                 count = min(count, planned)
                 n_complement = count if found is not None else 0
-            elif space is not None:
-                # past the certified samples (fl_attack.pipeline.deflation): smaller, more frequent rounds
+            elif space is not None:  # smaller, more frequent rounds
                 count, n_complement = min(count, max(MIN_DEFLATED_STARTS, b // 2)), 0
             elif (aimed := self._aimed_round(state, per_round, rounds, stalled_at)) is not None:
                 # clean: aim past the exact directions (fl_attack.pipeline.aimed_rounds)
@@ -201,7 +199,7 @@ class SpearPlusPlus(GradientInversionAttack):
             if expired(state.deadline):
                 return  # no time left to round the minima
             if self.surrogate.needs_rounding:
-                yield sampling_rounding(
+                rounded = sampling_rounding(
                     left,
                     minima,
                     pool_fraction=self.rounding_pool,
@@ -215,21 +213,14 @@ class SpearPlusPlus(GradientInversionAttack):
                     # round only minima sparse enough to be pool candidates (fl_attack.pipeline.search)
                     minima = sparse_minima(left_fast, minima, min_small=state.pool.weak_min_zeros)
                 # without exact zeros, rounding to b - 1 rows would only amplify the noise
-                pending = round_minima(
+                rounded = round_minima(
                     state.factors, minima, rows=rows, exact=not state.noisy, deadline=state.deadline
                 )
-                yield pending
+            if state.deflation is not None:
+                state.deflation.hold(rounded)  # certified only if the search goes on
+            yield rounded
             if expired(state.deadline):
                 return
-
-    def _deflated_space(self, state: SearchState, pending: torch.Tensor) -> torch.Tensor | None:
-        """Certify the last round's directions; the ``(b, b')`` space the next round searches, or
-        None for the whole space (no deflation, or no sample certified yet)."""
-        deflation = state.deflation
-        if deflation is None:
-            return None
-        deflation.certify(pending, deadline=state.deadline)
-        return deflation.complement() if deflation.found else None
 
     def _exact(self, state: SearchState) -> torch.Tensor:
         """The exact directions of the latest clean selection (:func:`exact_found`)."""

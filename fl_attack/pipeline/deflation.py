@@ -224,6 +224,8 @@ class Deflation:
         self.tried = 0
         self.off: str | None = None
         self._ready = False
+        self._held = self.left.new_zeros(0, b)
+        self.last_added = 0
 
     def _setup(self) -> bool:
         """Build the activation span and the pre-activation coordinates once; False when unusable."""
@@ -265,6 +267,23 @@ class Deflation:
             "next_layer_tried": self.tried,
             "next_layer_max_residual": max(residuals) if residuals else 0.0,
         }
+
+    def hold(self, directions: torch.Tensor) -> None:
+        """Keep a round's ``(k, b)`` directions to certify when the search asks for its next space."""
+        self._held = torch.cat([self._held, directions], dim=0)
+
+    def space(self, *, deadline: float) -> torch.Tensor | None:
+        """Certify the held directions; the ``(b, b')`` space still to search (:meth:`complement`),
+        or None while no sample is certified (then the whole space)."""
+        held, self._held = self._held, self._held[:0]
+        if held.shape[0]:
+            self.last_added = self.certify(held, deadline=deadline)
+        return self.complement() if self.samples else None
+
+    @property
+    def progressing(self) -> bool:
+        """Whether the last :meth:`space` certified a new sample: other proposal stages may wait."""
+        return self.last_added > 0
 
     @property
     def found(self) -> int:

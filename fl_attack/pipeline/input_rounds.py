@@ -206,6 +206,11 @@ def interleave_input_side(
         # an attack done after its first round (dense inputs usually are) never pays for the set-up
         state.stats["input_side"] = NOT_NEEDED
     yield first[1]
+    if state.deflation is not None and state.deflation.space(deadline=state.deadline) is not None:
+        # the next layer certified samples of the first round: the deflated search needs no vertices
+        state.stats["input_side"] = "not needed: the next layer's update deflates the search"
+        yield from (directions for _, directions in rounds)
+        return
     side = state.input_side.get(state)
     if side is None:
         yield from (directions for _, directions in rounds)

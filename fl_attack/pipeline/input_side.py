@@ -38,6 +38,7 @@ from scipy.optimize import linprog
 
 from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import expired
+from fl_attack.pipeline.deflation import Deflation
 from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
 from fl_attack.pipeline.onehot_groups import detect_onehot_groups
 from fl_attack.pipeline.onehot_side import OneHotSide
@@ -81,6 +82,7 @@ class SearchContext(Protocol):
     active: torch.Tensor
     noisy: bool
     input_side: InputSideSlot | None
+    deflation: Deflation | None
 
 
 @dataclass(frozen=True)

@@ -203,9 +203,12 @@ def missing_direction_proposals(
     ``state.stats`` counts ``missing_sample_proposals`` and ``scan_proposals``. Before the attack's
     first round is over the input side is set up here only when some feature is zero for the whole
     batch (the cheap sign of sparse inputs): the set-up's emptiness probe, one linear programme,
-    costs up to a second on thousands of dense features.
+    costs up to a second on thousands of dense features. Nothing is proposed while the search,
+    deflated by the next layer's update (:mod:`fl_attack.pipeline.deflation`), still certifies samples.
     """
     b = state.factors.batch_size
+    if state.deflation is not None and state.deflation.progressing:
+        return state.factors.left.new_zeros(0, b)  # the deflated search still finds samples
     missing = b - trusted.shape[0]
     pre_activation_basis = scorer.pre_activation_basis[state.active]
     bias = scorer.update.bias[state.active]
