@@ -196,6 +196,7 @@ OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
     "hard_limit_slack": _NONNEGATIVE,
     "known_batch_size": _boolean,
     "known_local_steps": _boolean,
+    "next_layer": _boolean,
     "warm_up": _boolean,
     "dataset": str.strip,
     "data_root": _optional(str.strip),

@@ -29,6 +29,7 @@ from fl_attack.simulate.victims import (
     first_linear,
     layer_gradient,
     median_abs_entry,
+    next_layer_gradient,
     noisy_gradient,
     output_gradient,
 )
@@ -67,6 +68,9 @@ class Observation:
     local_steps: int = 1
     """Full-batch local steps of a FedAvg update ``W_E - W_0`` (1 otherwise), which the server
     configured and may give the attack (option ``known_local_steps``)."""
+    next_weight_grad: torch.Tensor | None = None
+    """The gradient of the linear layer fed by the attacked layer's ReLU from the same step
+    (section ``fedsgd``), which the server sees too and may give the attack (option ``next_layer``)."""
 
 
 def draw_trial(data: Data, setting: Setting, *, index: int, seed: int) -> Trial:
@@ -91,7 +95,9 @@ def first_layer_update(model: nn.Module, weight_grad: Tensor, bias_grad: Tensor)
 
 def _fedsgd(setting: Setting, trial: Trial, data: Data) -> Observation:
     weight_grad, bias_grad = client_gradient(trial.model, trial.inputs, trial.labels)
-    return Observation(first_layer_update(trial.model, weight_grad, bias_grad), trial.reference)
+    following = next_layer_gradient(trial.model, trial.inputs, trial.labels)
+    update = first_layer_update(trial.model, weight_grad, bias_grad)
+    return Observation(update, trial.reference, next_weight_grad=following)
 
 
 def _full(setting: Setting, trial: Trial, data: Data) -> Observation:

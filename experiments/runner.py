@@ -91,10 +91,12 @@ def invert(
             )
             gradients = (update.weight_grad, update.bias_grad)
             weight, bias = update.weight, update.bias
-            if steps > 1 and isinstance(attack, GradientInversionAttack):  # FedAvg's drift (SPEAR, SPEAR++)
-                return attack.invert(
-                    *gradients, weight=weight, bias=bias, batch_size=known, local_steps=steps
-                )
+            if isinstance(attack, GradientInversionAttack):  # SPEAR, SPEAR++
+                following = observation.next_weight_grad if options["next_layer"] else None
+                extra = {} if following is None else {"next_weight_grad": following}
+                if steps > 1:  # FedAvg's drift
+                    extra["local_steps"] = steps
+                return attack.invert(*gradients, weight=weight, bias=bias, batch_size=known, **extra)
             return attack.invert(*gradients, weight=weight, bias=bias, batch_size=known)
         if observation.gradients is None or not isinstance(data, ImageData):
             raise ValueError(f"{method} needs every parameter's gradient of an image batch (section 'full')")

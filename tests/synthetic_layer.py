@@ -31,9 +31,18 @@ class SyntheticUpdate:
 
 
 def relu_layer_update(
-    inputs: torch.Tensor, *, width: int, seed: int, dtype: torch.dtype = torch.float64
+    inputs: torch.Tensor,
+    *,
+    width: int,
+    seed: int,
+    dtype: torch.dtype = torch.float64,
+    vanishing: tuple[tuple[int, int], ...] = (),
 ) -> SyntheticUpdate:
-    """The update of a random ``width``-neuron layer (``W ~ N(0, 1/n)``, ``bias ~ N(0, 0.1^2)``)."""
+    """The update of a random ``width``-neuron layer (``W ~ N(0, 1/n)``, ``bias ~ N(0, 0.1^2)``).
+
+    Each ``(sample, neuron)`` of ``vanishing`` gets a zero gradient although the sample activates
+    the neuron, as when ``dL/dY`` vanishes there by chance.
+    """
     x = inputs.to(torch.float64)
     n = x.shape[1]
     generator = torch.Generator().manual_seed(seed)
@@ -41,6 +50,8 @@ def relu_layer_update(
     bias = 0.1 * torch.randn(width, generator=generator, dtype=torch.float64)
     upstream = torch.randn(width, x.shape[0], generator=generator, dtype=torch.float64)
     output_grad = upstream * ((weight @ x.T + bias[:, None]) > 0)
+    for sample, neuron in vanishing:
+        output_grad[neuron, sample] = 0.0
     return SyntheticUpdate(
         inputs=x,
         weight_grad=(output_grad @ x).to(dtype),
@@ -48,3 +59,13 @@ def relu_layer_update(
         weight=weight.to(dtype),
         bias=bias.to(dtype),
     )
+
+
+def next_layer_update(update: SyntheticUpdate, *, width: int, seed: int) -> torch.Tensor:
+    """The ``(width, m)`` update of a linear layer fed by ``update``'s ReLU: ``dL/dY' H^T`` with a
+    dense random ``dL/dY'`` and the batch's activations ``H = relu(W X^T + bias)``."""
+    weight, bias = update.weight.to(torch.float64), update.bias.to(torch.float64)
+    activations = torch.relu(weight @ update.inputs.T + bias[:, None])  # (m, b)
+    generator = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(width, activations.shape[1], generator=generator, dtype=torch.float64)
+    return (upstream @ activations.T).to(update.weight_grad.dtype)

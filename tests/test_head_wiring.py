@@ -15,7 +15,7 @@ from fl_attack.attacks.cocktail_party import CocktailPartyAttack
 from fl_attack.audit import Auditor
 from fl_attack.audit.layer import LayerDelta, global_parameters, select_layer
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate
-from fl_attack.audit.workers import accepts_head_weight, run_attack
+from fl_attack.audit.workers import accepts_keyword, run_attack
 from fl_attack.data.images import load_dataset
 from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.simulate.victims import build_victim
@@ -24,15 +24,17 @@ WIDTH, BATCH, LR = 200, 8, 0.1
 
 
 class HeadSpy(SpearPlusPlus):
-    """SPEAR++ that remembers the ``head_weight`` each call received."""
+    """SPEAR++ that remembers the ``head_weight`` and ``next_weight_grad`` each call received."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.heads: list[np.ndarray | None] = []
+        self.following: list[np.ndarray | None] = []
 
-    def invert(self, *args: Any, head_weight: Any = None, **kwargs: Any) -> Any:
+    def invert(self, *args: Any, head_weight: Any = None, next_weight_grad: Any = None, **kwargs: Any) -> Any:
         self.heads.append(None if head_weight is None else np.array(head_weight))
-        return super().invert(*args, head_weight=head_weight, **kwargs)
+        self.following.append(None if next_weight_grad is None else np.array(next_weight_grad))
+        return super().invert(*args, head_weight=head_weight, next_weight_grad=next_weight_grad, **kwargs)
 
 
 def _arrays(model: nn.Module) -> dict[str, np.ndarray]:
@@ -46,8 +48,11 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return data.images[chosen].reshape(BATCH, -1), data.labels[chosen]
 
 
-def _audit(depth: int, attacker: Any) -> tuple[Auditor, dict[str, np.ndarray], torch.Tensor]:
-    """One FedSGD round of one client of a ``depth``-linear-layer victim, audited in this thread."""
+def _audit(
+    depth: int, attacker: Any
+) -> tuple[Auditor, dict[str, np.ndarray], torch.Tensor, dict[str, np.ndarray]]:
+    """One FedSGD round of one client of a ``depth``-linear-layer victim, audited in this thread;
+    the auditor, the global arrays, the client's inputs and the arrays it sent."""
     inputs, labels = _batch()
     model = build_victim("spear++", input_dim=inputs.shape[1], width=WIDTH, depth=depth, seed=0)
     global_arrays = _arrays(model)
@@ -60,15 +65,16 @@ def _audit(depth: int, attacker: Any) -> tuple[Auditor, dict[str, np.ndarray], t
             parameter.sub_(LR * gradient)
     auditor = Auditor(attacker, batch_size=BATCH, time_budget=30.0)
     auditor.start_round(1, global_arrays)
-    update = ClientUpdate(identity=ClientIdentity(node_id=7, partition_id=0), arrays=_arrays(client))
+    sent = _arrays(client)
+    update = ClientUpdate(identity=ClientIdentity(node_id=7, partition_id=0), arrays=sent)
     auditor.audit_round(1, [update])
     auditor.close()
-    return auditor, global_arrays, inputs
+    return auditor, global_arrays, inputs, sent
 
 
 def test_a_one_hidden_layer_model_gets_its_global_head_and_is_recovered_exactly() -> None:
     spy = HeadSpy(seed=0, progress=False)
-    auditor, global_arrays, inputs = _audit(2, spy)
+    auditor, global_arrays, inputs, _ = _audit(2, spy)
     assert auditor.layer is not None and auditor.layer.head == "3.weight"
     (head,) = spy.heads
     assert head is not None and np.array_equal(head, global_arrays["3.weight"].astype(np.float64))
@@ -82,16 +88,31 @@ def test_a_one_hidden_layer_model_gets_its_global_head_and_is_recovered_exactly(
 
 def test_a_deeper_model_passes_no_head() -> None:
     spy = HeadSpy(seed=0, progress=False, time_budget=5.0)
-    auditor, _, _ = _audit(4, spy)
+    auditor, _, _, _ = _audit(4, spy)
     assert auditor.layer is not None and auditor.layer.head is None
     assert spy.heads == [None]
     (record,) = auditor.records
     assert "head_searches" not in record.attack
 
 
+def test_a_deeper_model_passes_the_clients_change_of_the_next_layer() -> None:
+    spy = HeadSpy(seed=0, progress=False, time_budget=5.0)
+    auditor, global_arrays, _, sent = _audit(4, spy)
+    (following,) = spy.following
+    # what the client sent for the next layer, differenced in float64 by the server
+    expected = sent["3.weight"].astype(np.float64) - global_arrays["3.weight"].astype(np.float64)
+    assert following is not None and np.array_equal(following, expected)
+    (record,) = auditor.records
+    assert record.status == "ok" and record.attack["next_layer"] in ("not needed", "on"), record.attack
+
+
 def test_an_attack_without_head_weight_is_called_without_it() -> None:
     # the Cocktail Party attack takes no head_weight: it is left out, not passed and failing
-    assert accepts_head_weight(SpearPlusPlus()) and not accepts_head_weight(CocktailPartyAttack())
+    assert accepts_keyword(SpearPlusPlus(), "head_weight") and not accepts_keyword(
+        CocktailPartyAttack(), "head_weight"
+    )
+    assert accepts_keyword(SpearPlusPlus(), "next_weight_grad")
+    assert not accepts_keyword(CocktailPartyAttack(), "next_weight_grad")
     rng = np.random.default_rng(0)
     weight, bias = rng.standard_normal((40, 12)), rng.standard_normal(40)
     inputs = rng.standard_normal((2, 12))

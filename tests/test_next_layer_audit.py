@@ -223,7 +223,7 @@ def test_the_stage_leaves_updates_without_a_next_layer_or_complete_results_alone
     assert route_budget(None) == route_budget(math.inf) == 60.0
 
 
-def test_only_a_layer_after_other_layers_gets_a_following_layer() -> None:
+def test_the_following_layer_is_found_after_any_layer_and_the_route_runs_only_after_other_layers() -> None:
     arrays = {
         "conv.weight": np.zeros((2, 1, 3, 3)),
         "conv.bias": np.zeros(2),
@@ -234,8 +234,14 @@ def test_only_a_layer_after_other_layers_gets_a_following_layer() -> None:
     }
     assert select_layer(arrays, weight_key="fc1.weight").following == "fc2.weight"
     first = {key: value for key, value in arrays.items() if not key.startswith("conv")}
-    assert select_layer(first).following is None  # raw inputs: the route needs ReLU features
+    assert select_layer(first).following == "fc2.weight"  # the exact attack certifies through it
     assert select_layer(arrays, weight_key="fc2.weight").following is None  # nothing follows
+    # raw inputs: the route, which needs ReLU features, leaves the attack's result alone
+    delta = LayerDelta(
+        np.ones((5, 8)), np.ones(5), np.zeros((5, 8)), np.zeros(5), next_weight_delta=np.ones((4, 5))
+    )
+    marker = object()
+    assert not delta.after_layers and with_next_layer(marker, delta, time_budget=1.0, seed=0) is marker
 
 
 def test_rows_of_the_route_make_an_approximate_verdict_that_counts_them() -> None:

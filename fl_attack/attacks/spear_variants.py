@@ -166,7 +166,11 @@ class SpearPlusPlus(GradientInversionAttack):
             size = b if space is None else space.shape[1]
             inits = [
                 random_directions(
-                    count - n_complement, size, generator=state.generator, dtype=self.dtype, device=left.device
+                    count - n_complement,
+                    size,
+                    generator=state.generator,
+                    dtype=self.dtype,
+                    device=left.device,
                 )
             ]
             if n_complement:

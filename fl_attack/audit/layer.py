@@ -63,9 +63,11 @@ class LayerKeys:
         (``head_weight=`` of :meth:`fl_attack.SpearPlusPlus.invert`).
     following : str or None
         Key of the next linear layer's ``(k, m)`` weight when it directly follows the layer
-        (the next array after the layer's bias) and layers precede the layer; None otherwise.
-        Its update lets the audit run the next-layer route (:mod:`fl_attack.audit.next_layer_stage`),
-        which needs inputs with exact zeros (ReLU features), not a model's raw inputs.
+        (the next array after the layer's bias); None otherwise. Its update lets the exact attack
+        certify samples (``next_weight_grad=`` of :meth:`fl_attack.SpearPlusPlus.invert`) and, when
+        layers precede the layer, the audit run the next-layer route
+        (:mod:`fl_attack.audit.next_layer_stage`), which needs inputs with exact zeros (ReLU
+        features), not a model's raw inputs.
     """
 
     weight: str
@@ -111,7 +113,7 @@ def _head(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarra
 def _following(keys: list[str], weight: str, bias: str, named: Mapping[str, np.ndarray]) -> str | None:
     """The next linear layer's weight if it directly follows the layer (see :attr:`LayerKeys.following`)."""
     rest = [key for key in keys[keys.index(weight) + 1 :] if key != bias]
-    if not rest or not _preceding(keys, weight, named):
+    if not rest:
         return None
     shape = named[rest[0]].shape
     return rest[0] if len(shape) == 2 and shape[1] == named[weight].shape[0] else None
@@ -272,7 +274,9 @@ class LayerDelta:
     This is what the server observes before any validation. ``head_weight`` is the global
     ``(c, m)`` weight of the output layer when it directly follows the attacked layer
     (:attr:`LayerKeys.head`), else None. ``next_weight_delta`` is the client's change of the
-    linear layer that directly follows (:attr:`LayerKeys.following`), else None.
+    linear layer that directly follows (:attr:`LayerKeys.following`), else None. ``after_layers``
+    says that layers precede the attacked one (its inputs are ReLU features: the next-layer route
+    applies, :mod:`fl_attack.audit.next_layer_stage`).
     """
 
     weight_delta: np.ndarray
@@ -281,6 +285,7 @@ class LayerDelta:
     bias: np.ndarray
     head_weight: np.ndarray | None = None
     next_weight_delta: np.ndarray | None = None
+    after_layers: bool = False
 
     def __add__(self, other: LayerDelta) -> LayerDelta:
         """The sum of two clients' changes of the same global layer (secure aggregation)."""
@@ -293,6 +298,7 @@ class LayerDelta:
             next_weight_delta=None
             if self.next_weight_delta is None or other.next_weight_delta is None
             else self.next_weight_delta + other.next_weight_delta,
+            after_layers=self.after_layers,
         )
 
 
@@ -318,6 +324,8 @@ class SentLayer:
     next_weight, global_next_weight : numpy.ndarray or None
         The following linear layer's weight as the client sent it, and its global value
         (:attr:`LayerKeys.following`; never spilled); None without one.
+    after_layers : bool
+        Whether layers precede the attacked one (:attr:`LayerDelta.after_layers`).
     """
 
     weight: np.ndarray
@@ -327,6 +335,7 @@ class SentLayer:
     head_weight: np.ndarray | None = None
     next_weight: np.ndarray | None = None
     global_next_weight: np.ndarray | None = None
+    after_layers: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _file: Path | None = field(default=None, repr=False)
     _taken: bool = field(default=False, repr=False)
@@ -342,6 +351,7 @@ class SentLayer:
             next_weight_delta=None
             if self.next_weight is None or self.global_next_weight is None
             else np.asarray(self.next_weight, dtype=np.float64) - self.global_next_weight,
+            after_layers=self.after_layers,
         )
 
     def spill(self, path: Path) -> bool:
@@ -432,6 +442,7 @@ def sent_layer(
         head_weight=head_weight,
         next_weight=sent_next,
         global_next_weight=None if sent_next is None else next_weight,
+        after_layers=bool(layer.preceding),
     )
 
 

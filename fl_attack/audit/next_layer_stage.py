@@ -41,13 +41,15 @@ def with_next_layer(
     ``time_budget`` is the seconds left of the attack's budget (None: no budget).
 
     It applies to a :class:`fl_attack.Reconstruction` with a self-check (an exact attack's)
-    that is not complete, on an update with a finite next-layer change. A failure of the
+    that is not complete, on an update of a layer after other layers with a finite next-layer
+    change. A failure of the
     route leaves the exact attack's result as it was, with ``next_layer_error`` in its
     statistics.
     """
     following = update.next_weight_delta
     if (
         following is None
+        or not update.after_layers
         or not isinstance(reconstruction, Reconstruction)
         or reconstruction.complete
         or reconstruction.self_check is None

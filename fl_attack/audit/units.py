@@ -120,7 +120,13 @@ def observed_sum(
         settings=quantization,
         seed=(*seed, *(member.identity.node_id for member in members)),
     )
-    return LayerDelta(weight_delta=weight_sum, bias_delta=bias_sum, weight=start.weight, bias=start.bias)
+    return LayerDelta(
+        weight_delta=weight_sum,
+        bias_delta=bias_sum,
+        weight=start.weight,
+        bias=start.bias,
+        after_layers=start.after_layers,
+    )
 
 
 def total_examples(members: Sequence[ClientUpdate]) -> int | None:

@@ -61,7 +61,9 @@ class Attacker(Protocol):
         """Recover the layer inputs behind ``(weight_grad, bias_grad)``.
 
         An attacker whose ``invert`` also takes ``head_weight=`` is given the global weight of
-        the output layer when it directly follows the attacked layer (:func:`accepts_head_weight`).
+        the output layer when it directly follows the attacked layer, and one that takes
+        ``next_weight_grad=`` the client's change of the linear layer that follows it
+        (:func:`accepts_keyword`).
 
         Returns an object with an ``inputs`` attribute holding the ``(b, n)``
         reconstructed inputs (a :class:`fl_attack.Reconstruction`).
@@ -115,30 +117,31 @@ def _release_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def accepts_head_weight(attacker: Attacker) -> bool:
-    """Whether the attacker's ``invert`` takes ``head_weight=`` (SPEAR, SPEAR++; not every attack)."""
+def accepts_keyword(attacker: Attacker, name: str) -> bool:
+    """Whether the attacker's ``invert`` takes the keyword ``name`` (SPEAR and SPEAR++ take
+    ``head_weight=`` and ``next_weight_grad=``; not every attack does)."""
     try:
         parameters = inspect.signature(attacker.invert).parameters
     except (TypeError, ValueError):  # a builtin or C-implemented invert without a signature
         return False
-    head = parameters.get("head_weight")
-    return head is not None and head.kind in (
+    parameter = parameters.get(name)
+    return parameter is not None and parameter.kind in (
         inspect.Parameter.KEYWORD_ONLY,
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
     )
 
 
 def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time_budget: float | None) -> Any:
-    """The only call into the attacker: the observed update and the global layer (and the
-    global head weight of a one-hidden-layer model, for attackers that take it); then the
-    next-layer route where it applies (:mod:`fl_attack.audit.next_layer_stage`)."""
-    extra = (
-        {}
-        if update.head_weight is None or not accepts_head_weight(attacker)
-        else {"head_weight": update.head_weight}
-    )
+    """The only call into the attacker: the observed update and the global layer (for attackers
+    that take them: the global head weight of a one-hidden-layer model, and the client's change of
+    the following linear layer); then the next-layer route where it applies
+    (:mod:`fl_attack.audit.next_layer_stage`)."""
+    given = {"head_weight": update.head_weight, "next_weight_grad": update.next_weight_delta}
+    extra = {
+        name: value for name, value in given.items() if value is not None and accepts_keyword(attacker, name)
+    }
     budget = time_budget if time_budget is not None else getattr(attacker, "time_budget", None)
-    route_may_follow = update.next_weight_delta is not None
+    route_may_follow = update.next_weight_delta is not None and update.after_layers
     started = time.perf_counter()
     reconstruction = attacker.invert(
         update.weight_delta,

@@ -59,9 +59,8 @@ RESIDUAL_FLOOR = 1e-10
 PATTERN_MARGIN = 1e-3
 MAX_PATTERN_ERRORS = 2
 
-#: A zero row whose entry of the kernel vector stands this many times above the median of the
-#: zero rows is a wrong zero (an active neuron with a vanishing gradient), dropped and refitted.
-OUTLIER_RATIO = 20.0
+#: Kernel fits per direction: while the zero rows have no common kernel, the row farthest from the
+#: best one is a wrong zero (an active neuron with a vanishing gradient), dropped and refitted.
 OUTLIER_ROUNDS = 4
 
 #: Two certified directions with ``|cos|`` above this are the same sample.
@@ -249,7 +248,9 @@ class Deflation:
         self.dead_coordinates, self.dead_bias = coordinates[~active], self._bias_all[~active]
         self.span = span.basis[active]
         self.span_noise = span.relative_noise
-        self.residual_bound = max(RESIDUAL_FLOOR, RESIDUAL_PER_NOISE * (self.relative_noise + span.relative_noise))
+        self.residual_bound = max(
+            RESIDUAL_FLOOR, RESIDUAL_PER_NOISE * (self.relative_noise + span.relative_noise)
+        )
         self._next = self._next.new_zeros(0, 0)  # the update is no longer needed
         self._ready = True
         return True
@@ -369,22 +370,29 @@ class Deflation:
         return CertifiedSample(direction=direction, inputs=inputs, dual=dual, residual=residual)
 
     def _kernel(self, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The zero rows kept and the unit activation vector ``h`` vanishing on them (sign: sum >= 0),
-        dropping wrong zeros; None when too few zero rows remain."""
+        """The zero rows kept and the unit activation vector ``h`` vanishing on them (sign: sum >= 0).
+
+        While the span's basis on the kept rows has no kernel (its smallest singular value above
+        the residual bound), one row is a wrong zero (an active neuron with a vanishing gradient):
+        the others share the kernel ``h``, so removing it leaves a singular Gram matrix, which
+        makes its leverage ``a^T G^{-1} a`` exactly 1, the largest any row can have. It is dropped,
+        ``OUTLIER_ROUNDS - 1`` times at most. None when fewer than ``b`` rows remain.
+        """
         b = self.span.shape[1]
-        kept = zeros
+        kept = zeros.clone()
         h = self.span.new_zeros(self.span.shape[0])
-        for _ in range(OUTLIER_ROUNDS):
+        for round_index in range(OUTLIER_ROUNDS):
             if int(kept.sum()) < b:
                 return None
             rows = self.span[kept]
-            kernel = torch.linalg.eigh(rows.T @ rows).eigenvectors[:, 0]
-            h = self.span @ kernel
-            size = h.abs()
-            wrong = kept & (size > OUTLIER_RATIO * size[kept].median()) & (size > 1e-3 * size.max())
-            if not bool(wrong.any()):
+            values, vectors = torch.linalg.eigh(rows.T @ rows)
+            h = self.span @ vectors[:, 0]
+            # the smallest singular value from the residual itself: the Gram's eigenvalue is its square
+            consistent = float((rows @ vectors[:, 0]).norm()) <= self.residual_bound
+            if consistent or round_index == OUTLIER_ROUNDS - 1:
                 break
-            kept = kept & ~wrong
+            leverage = ((rows @ vectors).square() / values.clamp_min(1e-300)).sum(dim=1)
+            kept[torch.nonzero(kept).flatten()[int(torch.argmax(leverage))]] = False
         if float(h.sum()) < 0:
             h = -h
         return kept, h

@@ -38,8 +38,8 @@ from scipy.optimize import linprog
 
 from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import expired
-from fl_attack.pipeline.deflation import Deflation
 from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
+from fl_attack.pipeline.deflation import Deflation
 from fl_attack.pipeline.onehot_groups import detect_onehot_groups
 from fl_attack.pipeline.onehot_side import OneHotSide
 from fl_attack.pipeline.select import SparsityMatchingScorer

@@ -23,6 +23,7 @@ __all__ = [
     "client_gradient",
     "layer_gradient",
     "loss_function",
+    "next_layer_gradient",
     "output_gradient",
 ]
 
@@ -135,6 +136,24 @@ def client_gradient(
         value = loss_fn(model(x), y)
         weight_grad, bias_grad = torch.autograd.grad(value, (layer.weight, layer.bias))
     return weight_grad.detach(), bias_grad.detach()
+
+
+def next_layer_gradient(
+    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, *, loss: str = "ce"
+) -> torch.Tensor | None:
+    """Gradient of the mean batch loss w.r.t. the weight of the linear layer fed by the first
+    linear layer's ReLU (what a FedSGD client also sends), detached; None when the first layer is
+    not followed by a ReLU and another linear layer. The model's parameters are left untouched."""
+    _, first = first_linear(model)
+    layers = [module for _, module in linear_layers(model)]
+    position = layers.index(first)
+    if not followed_by_relu(model, first) or position + 1 >= len(layers):
+        return None
+    loss_fn = loss_function(loss)
+    x, y = check_batch(model, inputs, labels)
+    with torch.enable_grad():
+        (gradient,) = torch.autograd.grad(loss_fn(model(x), y), (layers[position + 1].weight,))
+    return gradient.detach()
 
 
 def output_gradient(

@@ -17,7 +17,15 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .gradients import LOSSES, LayerGradient, check_batch, client_gradient, layer_gradient, output_gradient
+from .gradients import (
+    LOSSES,
+    LayerGradient,
+    check_batch,
+    client_gradient,
+    layer_gradient,
+    next_layer_gradient,
+    output_gradient,
+)
 from .local_sgd import sgd_steps
 from .models import (
     VICTIMS,
@@ -42,6 +50,7 @@ __all__ = [
     "layer_gradient",
     "linear_layers",
     "median_abs_entry",
+    "next_layer_gradient",
     "noisy_gradient",
     "output_gradient",
     "relu_linear_layers",

@@ -1,0 +1,253 @@
+"""Samples certified through the next layer's update, and the search deflated past them (issue #18).
+
+A direction of the first layer gives its sample's zeros; the next layer's update spans the batch's
+ReLU outputs, so those zeros pin the sample's activations and, through the known weights, its
+input. Certified inputs give rows of ``Q^{-1}``, to which every missing direction is orthogonal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import fl_attack.pipeline.deflation as deflation_module
+from fl_attack import SpearPlusPlus
+from fl_attack.data.images import load_dataset
+from fl_attack.pipeline.candidates import informative_rows
+from fl_attack.pipeline.decompose import LowRankFactors, decompose
+from fl_attack.pipeline.deflation import Deflation
+from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, next_layer_gradient
+from tests.synthetic_layer import SyntheticUpdate, next_layer_update, relu_layer_update
+
+BATCH, WIDTH, FEATURES, NEXT = 12, 120, 40, 60
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A layer's update decomposed as the attack does, the next layer's update and the truth."""
+
+    update: SyntheticUpdate
+    following: torch.Tensor
+    factors: LowRankFactors  # informative rows only
+    active: torch.Tensor
+    tolerance: ZeroTolerance
+    truth: torch.Tensor  # (b, b) unit true directions, rows in batch order
+
+    def deflation(self, *, following: torch.Tensor | None = None, min_zeros: int = BATCH) -> Deflation:
+        return Deflation(
+            self.factors,
+            self.following if following is None else following,
+            weight=self.update.weight,
+            bias=self.update.bias,
+            active=self.active,
+            tolerance=self.tolerance,
+            relative_noise=self.factors.spectrum.relative_noise,
+            min_zeros=min_zeros,
+        )
+
+
+def problem(
+    *, seed: int = 0, vanishing: tuple[tuple[int, int], ...] = (), inputs: torch.Tensor | None = None
+) -> Problem:
+    if inputs is None:
+        inputs = torch.randn(
+            BATCH, FEATURES, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+        )
+    update = relu_layer_update(inputs, width=WIDTH, seed=seed, vanishing=vanishing)
+    following = next_layer_update(update, width=NEXT, seed=seed + 1)
+    factors = decompose(update.weight_grad, batch_size=inputs.shape[0])
+    tolerance = ZeroTolerance.from_noise(factors.spectrum.relative_noise, width=WIDTH)
+    search, active = informative_rows(factors, tolerance)
+    output_grad = update.weight_grad @ torch.linalg.pinv(update.inputs)  # (m, b): dL/dZ, the truth
+    truth = (search.left.T @ output_grad[active]).T
+    return Problem(update, following, search, active, tolerance, truth / truth.norm(dim=1, keepdim=True))
+
+
+def test_each_true_direction_certifies_its_sample_exactly() -> None:
+    case = problem()
+    deflation = case.deflation()
+    assert deflation.certify(case.truth) == BATCH
+    assert deflation.off is None and deflation.found == BATCH
+    error = (deflation.inputs() - case.update.inputs).norm(dim=1) / case.update.inputs.norm(dim=1)
+    assert float(error.max()) < 1e-9
+    # the certified rows of Q^{-1}: biorthogonal to the (unit) directions of the other samples
+    duals = torch.stack([sample.dual for sample in deflation.samples])
+    products = duals @ case.truth.T
+    off_diagonal = products - torch.diag(products.diagonal())
+    assert float(off_diagonal.abs().max()) < 1e-9 * float(products.diagonal().abs().min())
+    assert max(sample.residual for sample in deflation.samples) < 1e-10
+
+
+def test_the_search_space_left_holds_exactly_the_missing_directions() -> None:
+    case = problem(seed=1)
+    deflation = case.deflation()
+    assert deflation.certify(case.truth[:5]) == 5
+    space = deflation.complement()
+    assert space.shape == (BATCH, BATCH - 5)
+    assert torch.allclose(space.T @ space, torch.eye(BATCH - 5, dtype=space.dtype), atol=1e-12)
+    missing = case.truth[5:]
+    outside = missing - (missing @ space) @ space.T
+    assert float(outside.norm(dim=1).max()) < 1e-9
+    # a certified direction has no place there: its dual row is orthogonal to the whole space
+    duals = torch.stack([sample.dual for sample in deflation.samples])
+    assert float((duals @ space).abs().max()) < 1e-9 * float(duals.norm(dim=1).min())
+
+
+def test_mixtures_are_refused_and_repeats_are_not_fitted_again() -> None:
+    case = problem(seed=2)
+    deflation = case.deflation()
+    mixture = case.truth[0] + case.truth[1]
+    assert deflation.certify(mixture[None]) == 0
+    assert deflation.tried == 1 and deflation.found == 0
+    assert deflation.certify(case.truth[:1]) == 1
+    assert deflation.certify(case.truth[:1]) == 0
+    assert deflation.tried == 2  # the repeat was skipped before any fit
+
+
+def _active_neuron(update: SyntheticUpdate, sample: int) -> int:
+    pre_activations = update.weight @ update.inputs[sample] + update.bias
+    return int(torch.nonzero(pre_activations > 0.5 * float(pre_activations.max())).flatten()[0])
+
+
+def test_an_active_neuron_whose_gradient_vanishes_is_dropped_as_a_wrong_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = problem(seed=3)
+    neuron = _active_neuron(plain.update, 4)
+    case = problem(seed=3, vanishing=((4, neuron),))
+    assert float(case.update.weight_grad.sub(plain.update.weight_grad).abs().max()) > 0
+    deflation = case.deflation()
+    assert deflation.certify(case.truth[4:5]) == 1
+    (sample,) = deflation.samples
+    error = (sample.inputs - case.update.inputs[4]).norm() / case.update.inputs[4].norm()
+    assert float(error) < 1e-9
+    # without dropping it the wrong zero spoils the activations and nothing is certified
+    monkeypatch.setattr(deflation_module, "OUTLIER_ROUNDS", 1)
+    assert case.deflation().certify(case.truth[4:5]) == 0
+
+
+def test_float32_gradients_of_a_victim_certify_every_sample() -> None:
+    data = load_dataset("digits")
+    inputs, labels = data.images[:16].reshape(16, -1), data.labels[:16]
+    model = build_victim("spear++", input_dim=inputs.shape[1], width=200, num_classes=10, depth=4, seed=0)
+    weight_grad, bias_grad = client_gradient(model, inputs, labels)
+    following = next_layer_gradient(model, inputs, labels)
+    assert following is not None and following.dtype == torch.float32 and following.shape == (200, 200)
+    _, layer = first_linear(model)
+    update = SyntheticUpdate(
+        inputs.double(),
+        weight_grad.double(),
+        bias_grad.double(),
+        layer.weight.detach().double(),
+        layer.bias.detach().double(),
+    )
+    factors = decompose(update.weight_grad, batch_size=16)
+    tolerance = ZeroTolerance.from_noise(factors.spectrum.relative_noise, width=200)
+    search, active = informative_rows(factors, tolerance)
+    output_grad = update.weight_grad @ torch.linalg.pinv(update.inputs)
+    truth = (search.left.T @ output_grad[active]).T
+    deflation = Deflation(
+        search,
+        following.double(),
+        weight=update.weight,
+        bias=update.bias,
+        active=active,
+        tolerance=tolerance,
+        relative_noise=factors.spectrum.relative_noise,
+        min_zeros=16,
+    )
+    assert deflation.certify(truth) == 16
+    error = (deflation.inputs() - update.inputs).norm(dim=1) / update.inputs.norm(dim=1)
+    assert float(error.max()) < 1e-4
+
+
+def test_the_deflated_search_recovers_a_crowded_batch_the_plain_one_misses() -> None:
+    # b = m/6 Gaussian inputs: the same 3000 sphere starts find no sample without the next layer
+    inputs = torch.randn(70, 300, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    update = relu_layer_update(inputs, width=420, seed=1)
+    following = next_layer_update(update, width=200, seed=2)
+
+    def attack(next_weight_grad: torch.Tensor | None) -> tuple[bool, float, dict[str, Any]]:
+        attacker = SpearPlusPlus(seed=0, time_budget=300.0, max_initializations=3000, progress=False)
+        result = attacker.invert(**update.arrays(), batch_size=70, next_weight_grad=next_weight_grad)
+        error = torch.cdist(result.inputs.double(), inputs).min(dim=1).values / inputs.norm(dim=1)
+        return result.complete, float(error.max()), result.stats
+
+    complete, error, stats = attack(following)
+    assert complete and error < 1e-6, stats
+    assert stats["next_layer"] == "on" and stats["next_layer_certified"] > 0
+    complete, error, stats = attack(None)
+    assert not complete and "next_layer" not in stats
+
+
+@pytest.mark.parametrize(
+    ("following", "reason"),
+    [
+        (lambda case: case.following[:BATCH], "it cannot span the activations of 12 samples"),
+        (
+            lambda case: (
+                case.following
+                + 1e-2 * case.following.abs().max() * torch.randn(case.following.shape, dtype=torch.float64)
+            ),
+            "the next layer's update is not of rank 12",
+        ),
+    ],
+    ids=["narrow", "noisy"],
+)
+def test_a_next_layer_that_cannot_certify_turns_the_deflation_off(
+    following: Callable[[Problem], torch.Tensor], reason: str
+) -> None:
+    case = problem(seed=4)
+    deflation = case.deflation(following=following(case))
+    assert deflation.certify(case.truth) == 0 and deflation.found == 0
+    assert deflation.off is not None and reason in deflation.off
+    assert deflation.stats()["next_layer"] == f"off: {deflation.off}"
+
+
+def test_noisy_or_multi_step_updates_do_not_use_the_next_layer() -> None:
+    case = problem(seed=5)
+    generator = torch.Generator().manual_seed(0)
+    noisy = case.update.weight_grad + 0.05 * case.update.weight_grad.abs().median() * torch.randn(
+        case.update.weight_grad.shape, generator=generator, dtype=torch.float64
+    )
+    arrays = {**case.update.arrays(), "weight_grad": noisy}
+    attacker = SpearPlusPlus(seed=0, time_budget=20.0, progress=False)
+    result = attacker.invert(**arrays, batch_size=BATCH, next_weight_grad=case.following)
+    assert result.stats["next_layer"] == "off: the update is noisy: no zero is exact"
+    result = attacker.invert(
+        **case.update.arrays(), batch_size=BATCH, next_weight_grad=case.following, local_steps=2
+    )
+    assert str(result.stats["next_layer"]).startswith("off: 2 local steps")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda g: g[:, :-1], r"next_weight_grad must be the \(k, m\) update .* m = 120 columns, got shape \(60, 119\)"),
+        (lambda g: g[0], r"got shape \(120,\)"),
+        (lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("nan"), dtype=g.dtype)), "next_weight_grad contains 1 NaN or Inf"),
+        (torch.zeros_like, "next_weight_grad is all zeros"),
+    ],
+    ids=["columns", "one-dimensional", "nan", "zeros"],
+)  # fmt: skip
+def test_a_bad_next_layer_update_is_refused(
+    mutate: Callable[[torch.Tensor], torch.Tensor], message: str
+) -> None:
+    case = problem(seed=6)
+    with pytest.raises(ValueError, match=message):
+        SpearPlusPlus(progress=False).invert(
+            **case.update.arrays(), batch_size=BATCH, next_weight_grad=mutate(case.following.clone())
+        )
