@@ -20,7 +20,7 @@ from fl_attack.pipeline.candidates import (
     rows_not_in,
 )
 from fl_attack.pipeline.deadline import expired
-from fl_attack.pipeline.decompose import LowRankFactors, noise_std
+from fl_attack.pipeline.decompose import LowRankFactors, noise_std, weakest_sample_margins
 from fl_attack.pipeline.deflation import Deflation, deflation_for, next_layer_update
 from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
@@ -209,9 +209,8 @@ class GradientInversionAttack(ABC):
             attack's own ``local_steps``.
         next_weight_grad
             ``(k, m)`` gradient (or one-step update) of the linear layer fed by this layer's ReLU,
-            from the same client step: each direction found is certified as one sample through it,
-            and later rounds search only past the certified samples
-            (:mod:`fl_attack.pipeline.deflation`). Used on clean one-step updates only.
+            from the same step: each direction found is certified as one sample through it, and
+            later rounds search past those (:mod:`fl_attack.pipeline.deflation`; clean updates only).
 
         Returns
         -------
@@ -223,19 +222,17 @@ class GradientInversionAttack(ABC):
         ------
         ValueError
             On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` not ``(c, m)``,
-            a ``next_weight_grad`` not ``(k, m)``,
-            ``c >= 1``) or a batch size that no exact attack can invert (``b >= min(m, n)``).
+            ``c >= 1``, a ``next_weight_grad`` not ``(k, m)``) or a batch size that no exact attack
+            can invert (``b >= min(m, n)``).
         TypeError
-            If ``head_weight`` is not a real numpy array or torch tensor.
+            If ``head_weight`` or ``next_weight_grad`` is not a real numpy array or torch tensor.
         """
         start = time.perf_counter()
         check_time_budget(time_budget)
         check_batch_size(batch_size)
         device = resolve_device(self.device)
         update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
-        following = None
-        if next_weight_grad is not None:
-            following = next_layer_update(next_weight_grad, width=update.width, device=device)
+        following = next_layer_update(next_weight_grad, width=update.width, device=device)
         budget = time_budget if time_budget is not None else self.time_budget
         local_steps = self.local_steps if local_steps is None else local_steps
         factors = decompose_in_time(update, name=self.name, batch_size=batch_size, start=start, budget=budget)
@@ -262,15 +259,7 @@ class GradientInversionAttack(ABC):
             "device": str(device),
             "local_steps": local_steps,
         }
-        weakest = float(factors.singular_values[b - 1])
-        if floor > 0:
-            stats["signal_to_rounding"] = weakest / floor  # below ~4 the weakest sample is lost to rounding
-        if entry_noise > 0:
-            # the weakest sample against the noise bulk's top (Marchenko-Pastur edge): below ~1 it is lost
-            n = update.input_dim
-            stats["rank_noise_ratio"] = weakest / (
-                entry_noise * (math.sqrt(max(m - b, 1)) + math.sqrt(max(n - b, 1)))
-            )
+        stats.update(weakest_sample_margins(factors, entry_noise=entry_noise, shape=(m, update.input_dim)))
         scorer = scorer_for(update, factors, tolerance, local_steps=local_steps, noisy=noisy)
         search_factors, active = informative_rows(factors, tolerance)
         stats["informative_rows"] = int(active.sum())
@@ -311,20 +300,7 @@ class GradientInversionAttack(ABC):
             else math.inf,
             head=prior,
         )
-        state.deflation, off = deflation_for(
-            following,
-            search_factors,
-            weight=update.weight,
-            bias=update.bias,
-            active=active,
-            tolerance=tolerance,
-            relative_noise=relative_noise,
-            min_zeros=min_zeros,
-            noisy=noisy,
-            local_steps=local_steps,
-            deadline=state.deadline,
-        )
-        stats.update(off)
+        state.deflation = deflation_for(following, pool, update, active, local_steps=local_steps, stats=stats)
         selection = self._run(state, scorer)
         accepted = self._accepted(selection, scorer)
         if not accepted and stats.get("stopped_by") != "no_improvement" and expired(state.deadline):
@@ -351,8 +327,6 @@ class GradientInversionAttack(ABC):
         check = drift_self_check(check, scorer=scorer, selection=selection, stats=stats)
         check = twin_self_check(check, scorer=scorer, selection=selection, accept=self.accept_matching)
         stats.update(check.stats())
-        if state.deflation is not None:
-            stats.update(state.deflation.stats())
         if not noisy and selection.complete:
             stats.update(precision_stats(scorer, selection))
         # b directions whose ReLU pattern contradicts the gradient (clean), or agrees with it barely above

@@ -467,3 +467,26 @@ def noise_std(singular_values: torch.Tensor, *, batch_size: int, shape: tuple[in
     if dof <= 0 or tail.numel() == 0:
         return 0.0
     return math.sqrt(float((tail**2).sum()) / dof)
+
+
+def weakest_sample_margins(
+    factors: LowRankFactors, *, entry_noise: float, shape: tuple[int, int]
+) -> dict[str, float]:
+    """How far the weakest sample's singular value ``s_b`` stands above what hides it.
+
+    ``signal_to_rounding``: against the update's float rounding floor (below ~4 the weakest sample
+    is lost to rounding); ``rank_noise_ratio``: against the top of the noise bulk of i.i.d. entry
+    noise of std ``entry_noise`` (the Marchenko-Pastur edge; below ~1 it is lost). Each only where
+    that floor or noise is positive.
+    """
+    m, n = shape
+    b = factors.batch_size
+    weakest = float(factors.singular_values[b - 1])
+    margins = {}
+    floor = factors.spectrum.rounding_floor
+    if floor > 0:
+        margins["signal_to_rounding"] = weakest / floor
+    if entry_noise > 0:
+        edge = entry_noise * (math.sqrt(max(m - b, 1)) + math.sqrt(max(n - b, 1)))
+        margins["rank_noise_ratio"] = weakest / edge
+    return margins

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import DeadlineReached, chunked_product, expired
 from fl_attack.pipeline.decompose import LowRankFactors
 from fl_attack.pipeline.sparsity import ZeroTolerance
-from fl_attack.types import ArrayLike, as_float64
+from fl_attack.types import ArrayLike, ObservedUpdate, as_float64
 
 #: The next layer's update spans the batch's activations when its spectrum drops past rank b by
 #: at least this factor (``s_{b+1} / s_b`` below it: the clean-gradient bound of the attack).
@@ -143,8 +145,11 @@ class CertifiedSample:
     residual: float
 
 
-def next_layer_update(next_weight_grad: ArrayLike, *, width: int, device: torch.device) -> torch.Tensor:
-    """The next layer's ``(k, m)`` update as a float64 tensor, validated against the attacked layer.
+def next_layer_update(
+    next_weight_grad: ArrayLike | None, *, width: int, device: torch.device
+) -> torch.Tensor | None:
+    """The next layer's ``(k, m)`` update as a float64 tensor, validated against the attacked
+    layer (None when none is given).
 
     Raises
     ------
@@ -153,6 +158,8 @@ def next_layer_update(next_weight_grad: ArrayLike, *, width: int, device: torch.
     TypeError
         If it is not a real numpy array or torch tensor.
     """
+    if next_weight_grad is None:
+        return None
     update = as_float64(next_weight_grad, name="next_weight_grad", device=device)
     if update.ndim != 2 or update.shape[1] != width:
         raise ValueError(
@@ -186,8 +193,8 @@ class Deflation:
         ``s_{b+1} / s_b`` of the attacked layer's update.
     min_zeros
         Directions with fewer zeros are not tried (the pool's confident count).
-    deadline
-        ``time.perf_counter()`` value by which the setup must end.
+    stats
+        The attack's statistics, kept up to date here (:meth:`stats`).
 
     Attributes
     ----------
@@ -206,7 +213,7 @@ class Deflation:
         tolerance: ZeroTolerance,
         relative_noise: float,
         min_zeros: int,
-        deadline: float = math.inf,
+        stats: dict[str, Any] | None = None,
     ) -> None:
         b = factors.batch_size
         self.left = factors.left
@@ -214,7 +221,6 @@ class Deflation:
         # the row space of dW: x = V c, and right = S V^T
         self.row_basis = (factors.right / self.singular_values[:, None]).T.contiguous()  # (n, b)
         self._next, self._weight, self._bias_all, self._active = next_weight_grad, weight, bias, active
-        self._deadline = deadline
         self.threshold = tolerance.absolute
         self.min_zeros = max(min_zeros, b)
         self.relative_noise = relative_noise
@@ -225,14 +231,22 @@ class Deflation:
         self._ready = False
         self._held = self.left.new_zeros(0, b)
         self.last_added = 0
+        self._stats = {} if stats is None else stats
+        self._stats.update(self.stats())
 
-    def _setup(self) -> bool:
-        """Build the activation span and the pre-activation coordinates once; False when unusable."""
+    def _setup(self, deadline: float) -> bool:
+        """Build the activation span and the pre-activation coordinates once; False when unusable.
+
+        Raises
+        ------
+        fl_attack.pipeline.deadline.DeadlineReached
+            If ``deadline`` passes first (the setup is tried again at the next call).
+        """
         if self._ready or self.off is not None:
             return self._ready
         b = self.left.shape[1]
         try:
-            span = activation_span(self._next, batch_size=b, deadline=self._deadline)
+            span = activation_span(self._next, batch_size=b, deadline=deadline)
         except ValueError as error:
             self.off = str(error)
             return False
@@ -243,7 +257,8 @@ class Deflation:
             )
             return False
         active = self._active
-        coordinates = self._weight @ self.row_basis  # (m, b): pre-activations are coordinates @ c + bias
+        # (m, b): the pre-activations of x = V c are coordinates @ c + bias
+        coordinates = chunked_product(self._weight, self.row_basis, deadline=deadline)
         self.coordinates, self.bias = coordinates[active], self._bias_all[active]
         self.dead_coordinates, self.dead_bias = coordinates[~active], self._bias_all[~active]
         self.span = span.basis[active]
@@ -316,9 +331,11 @@ class Deflation:
         if directions.shape[0] == 0:
             return 0
         try:
-            if not self._setup():
-                return 0
+            ready = self._setup(deadline)
         except DeadlineReached:
+            return 0
+        self._stats.update(self.stats())
+        if not ready:
             return 0
         unit = directions / directions.norm(dim=1, keepdim=True).clamp_min(1e-300)
         columns = unit @ self.left.T  # (k, m_active)
@@ -336,6 +353,7 @@ class Deflation:
             if sample is not None:
                 self.samples.append(sample)
                 added += 1
+        self._stats.update(self.stats())
         return added
 
     def inputs(self) -> torch.Tensor:
@@ -400,44 +418,42 @@ class Deflation:
 
 def deflation_for(
     following: torch.Tensor | None,
-    factors: LowRankFactors,
-    *,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
+    pool: CandidatePool,
+    update: ObservedUpdate,
     active: torch.Tensor,
-    tolerance: ZeroTolerance,
-    relative_noise: float,
-    min_zeros: int,
-    noisy: bool,
+    *,
     local_steps: int,
-    deadline: float,
-) -> tuple[Deflation | None, dict[str, float | int | str]]:
-    """The attack's :class:`Deflation` when the next layer's update can certify samples, and its stats.
+    stats: dict[str, Any],
+) -> Deflation | None:
+    """The attack's :class:`Deflation` when the next layer's update can certify samples (it keeps
+    ``stats`` up to date), else None with the reason in ``stats["next_layer"]``.
 
-    It needs one clean gradient step: under noise no zero is exact, and after several local steps
-    the next layer's update spans every step's activations.
+    It needs one clean gradient step: under noise no zero is exact (the pool's tolerance is then
+    per direction), and after several local steps the next layer's update spans every step's
+    activations. ``pool`` holds the search's factors, tolerance and confident zero count;
+    ``active`` marks its rows among the ``update``'s neurons.
     """
     if following is None:
-        return None, {}
-    b = factors.batch_size
+        return None
+    b = pool.factors.batch_size
     reason = None
-    if noisy:
+    if pool.tolerance.per_direction or pool.tolerance.relative_noise > MAX_SPAN_NOISE:
         reason = "the update is noisy: no zero is exact"
     elif local_steps > 1:
         reason = f"{local_steps} local steps: the next layer's update spans every step's activations"
     elif b < 2:
         reason = "a single sample needs no search"
     if reason is not None:
-        return None, {"next_layer": f"off: {reason}"}
-    deflation = Deflation(
-        factors,
+        stats["next_layer"] = f"off: {reason}"
+        return None
+    return Deflation(
+        pool.factors,
         following,
-        weight=weight,
-        bias=bias,
+        weight=update.weight,
+        bias=update.bias,
         active=active,
-        tolerance=tolerance,
-        relative_noise=relative_noise,
-        min_zeros=min_zeros,
-        deadline=deadline,
+        tolerance=pool.tolerance,
+        relative_noise=pool.tolerance.relative_noise,
+        min_zeros=pool.min_zeros,
+        stats=stats,
     )
-    return deflation, {}
