@@ -11,11 +11,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import fl_attack.pipeline.deflation as deflation_module
 from fl_attack import SpearPlusPlus
+from fl_attack.audit import Auditor
+from fl_attack.audit.observations import ClientIdentity, ClientUpdate
 from fl_attack.data.images import load_dataset
 from fl_attack.pipeline.candidates import informative_rows
 from fl_attack.pipeline.decompose import LowRankFactors, decompose
@@ -251,3 +254,44 @@ def test_a_bad_next_layer_update_is_refused(
         SpearPlusPlus(progress=False).invert(
             **case.update.arrays(), batch_size=BATCH, next_weight_grad=mutate(case.following.clone())
         )
+
+
+def _client_step(
+    batch: int, width: int, features: int
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], torch.Tensor]:
+    """Global arrays, the arrays one FedSGD client sends (lr 0.1, float32) and its Gaussian batch."""
+    inputs = torch.randn(batch, features, generator=torch.Generator().manual_seed(0))
+    model = build_victim("spear++", input_dim=features, width=width, depth=4, seed=0)
+    before = {key: value.detach().numpy().copy() for key, value in model.state_dict().items()}
+    loss = torch.nn.functional.cross_entropy(model(inputs), torch.arange(batch) % 10)
+    gradients = torch.autograd.grad(loss, list(model.parameters()))
+    with torch.no_grad():
+        for parameter, gradient in zip(model.parameters(), gradients, strict=True):
+            parameter.sub_(0.1 * gradient)
+    after = {key: value.detach().numpy().copy() for key, value in model.state_dict().items()}
+    return before, after, inputs.double()
+
+
+def _audited(global_arrays: dict[str, np.ndarray], sent: dict[str, np.ndarray], batch: int) -> Any:
+    auditor = Auditor(SpearPlusPlus(seed=0, progress=False), batch_size=batch, time_budget=60.0)
+    auditor.start_round(1, global_arrays)
+    (record,) = auditor.audit_round(1, [ClientUpdate(identity=ClientIdentity(node_id=7), arrays=sent)])
+    auditor.close()
+    return record
+
+
+def test_the_auditor_deflates_a_crowded_clients_search_with_its_next_layer() -> None:
+    global_arrays, sent, inputs = _client_step(70, 420, 300)
+    record = _audited(global_arrays, sent, 70)
+    assert record.status == "ok" and record.attack["next_layer"] == "on", record.attack
+    assert record.attack["next_layer_certified"] > 0 and record.attack["complete"] is True
+    errors = torch.cdist(torch.as_tensor(record.inputs), inputs).min(dim=1).values / inputs.norm(dim=1)
+    assert float(errors.max()) < 1e-4
+
+
+def test_a_client_that_left_the_next_layer_unchanged_is_attacked_without_it() -> None:
+    global_arrays, sent, _ = _client_step(8, 60, 20)
+    sent = {**sent, "3.weight": global_arrays["3.weight"].copy()}  # a frozen next layer: zero change
+    record = _audited(global_arrays, sent, 8)
+    assert record.status == "ok", record.error
+    assert "next_layer" not in record.attack and record.attack["complete"] is True

@@ -136,7 +136,10 @@ def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time
     that take them: the global head weight of a one-hidden-layer model, and the client's change of
     the following linear layer); then the next-layer route where it applies
     (:mod:`fl_attack.audit.next_layer_stage`)."""
-    given = {"head_weight": update.head_weight, "next_weight_grad": update.next_weight_delta}
+    following = update.next_weight_delta
+    if following is not None and not (np.isfinite(following).all() and np.any(following != 0)):
+        following = None  # a frozen or unreadable next layer holds no activations: attack without it
+    given = {"head_weight": update.head_weight, "next_weight_grad": following}
     extra = {
         name: value for name, value in given.items() if value is not None and accepts_keyword(attacker, name)
     }
