@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import fl_attack.attacks.spear as spear_module
 import fl_attack.pipeline.deflation as deflation_module
 from fl_attack import SpearPlusPlus
 from fl_attack.audit import Auditor
@@ -194,6 +195,26 @@ def test_the_deflated_search_recovers_a_crowded_batch_the_plain_one_misses() -> 
     assert stats["next_layer"] == "on" and stats["next_layer_certified"] > 0
     complete, error, stats = attack(None)
     assert not complete and "next_layer" not in stats
+
+
+def test_a_partial_result_keeps_the_certified_samples_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    # stopped after its second round: the first round's directions are certified, the batch is not whole
+    inputs = torch.randn(70, 300, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    update = relu_layer_update(inputs, width=420, seed=1)
+    following = next_layer_update(update, width=200, seed=2)
+
+    def exact_rows() -> tuple[int, int, bool]:
+        attacker = SpearPlusPlus(seed=0, time_budget=300.0, max_initializations=2300, progress=False)
+        result = attacker.invert(**update.arrays(), batch_size=70, next_weight_grad=following)
+        error = torch.cdist(result.inputs.double(), inputs).min(dim=1).values / inputs.norm(dim=1)
+        return int((error < 1e-6).sum()), int(result.stats["next_layer_certified"]), result.complete
+
+    exact, certified, complete = exact_rows()
+    assert not complete and certified >= 10 and exact >= certified
+    # the selection's own rows of a partial batch mix in its placeholder directions
+    monkeypatch.setattr(spear_module, "with_certified_rows", lambda selection, deflation: selection)
+    without, _, _ = exact_rows()
+    assert without < certified
 
 
 @pytest.mark.parametrize(

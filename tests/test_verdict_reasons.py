@@ -133,3 +133,20 @@ def test_a_drifted_batch_is_never_called_exact() -> None:
         "both ends of the client's local steps, which one layer's update cannot tell from a blend of "
         "look-alike samples, so exactness is not claimed"
     )
+
+
+def test_a_partial_batch_says_how_many_samples_the_next_layer_confirmed() -> None:
+    stats = {"directions_found": 3, "next_layer": "on", "next_layer_certified": 2, **_self_check("1 row")}
+    verdict, reason = _reason(stats, signature=lambda: LOW_RANK)
+    assert verdict == "approximate"
+    assert reason == (
+        "3 of 4 samples recovered with a consistent ReLU pattern (2 of them confirmed one by one through "
+        "the next layer's update); the rest were not found"
+    )
+    verdict, reason = _reason(
+        {**stats, "stopped_by": "time_budget"}, signature=lambda: LOW_RANK, time_budget=9.0
+    )
+    assert reason == (
+        "the attack spent its whole 9 s budget with 3 of 4 samples found (2 of them confirmed one by one "
+        "through the next layer's update)"
+    )

@@ -21,7 +21,7 @@ from fl_attack.pipeline.candidates import (
 )
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.decompose import LowRankFactors, noise_std, weakest_sample_margins
-from fl_attack.pipeline.deflation import Deflation, deflation_for, next_layer_update
+from fl_attack.pipeline.deflation import Deflation, deflation_for, next_layer_update, with_certified_rows
 from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
@@ -274,8 +274,7 @@ class GradientInversionAttack(ABC):
         # down to half of SPEAR's tau are kept as weak ones, chosen only after confident ones
         min_zeros = max(b + 1, math.ceil(tau * int(active.sum()))) if b > 1 else 0
         weak_min_zeros = max(b + 1, math.ceil(0.5 * tau * int(active.sum()))) if b > 1 else 0
-        stats["min_zeros"] = min_zeros
-        stats["noisy"] = noisy
+        stats.update(min_zeros=min_zeros, noisy=noisy)
         pool = CandidatePool(
             search_factors,
             tolerance,
@@ -303,6 +302,7 @@ class GradientInversionAttack(ABC):
         state.deflation = deflation_for(following, pool, update, active, local_steps=local_steps, stats=stats)
         selection = self._run(state, scorer)
         accepted = self._accepted(selection, scorer)
+        selection = with_certified_rows(selection, state.deflation)  # incomplete: certified rows are exact
         if not accepted and stats.get("stopped_by") != "no_improvement" and expired(state.deadline):
             stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(

@@ -209,7 +209,7 @@ def decide_verdict(
             progress = (
                 f": {_all_found_unconfirmed(attack, b)}"
                 if all_found
-                else f" with {found} of {b} samples found"
+                else f" with {found} of {b} samples found{_certified_note(attack)}"
             )
             return Verdict(VERDICT_TIMEOUT, f"the attack spent its whole {spent}budget{progress}")
         if all_found:
@@ -219,9 +219,8 @@ def decide_verdict(
         if found > 0:
             return Verdict(
                 VERDICT_APPROXIMATE,
-                f"{found} of {b} samples recovered with a consistent ReLU pattern; the rest were not found"
-                + _search_stop(attack)
-                + _features_note(input_space),
+                f"{found} of {b} samples recovered with a consistent ReLU pattern{_certified_note(attack)}; "
+                "the rest were not found" + _search_stop(attack) + _features_note(input_space),
             )
         return Verdict(
             VERDICT_FAILED, f"no sample recovered of an estimated batch of {b}" + _search_stop(attack)
@@ -275,6 +274,13 @@ def _next_layer_reason(attack: Mapping[str, Any], b: int) -> str:
         f"layer's update, each checked by its own zero pattern without ground truth); {unchecked} more found "
         f"by it without that confirmation (not claimed), {missing} not found by it"
     )
+
+
+def _certified_note(attack: Mapping[str, Any]) -> str:
+    """How many of a partial batch's samples the next layer's update confirmed one by one
+    (:mod:`fl_attack.pipeline.deflation`), when it did."""
+    certified = int(attack.get("next_layer_certified", 0) or 0)
+    return f" ({certified} of them confirmed one by one through the next layer's update)" if certified else ""
 
 
 def _search_stop(attack: Mapping[str, Any]) -> str:

@@ -36,6 +36,7 @@ import torch
 from fl_attack.pipeline.candidates import CandidatePool
 from fl_attack.pipeline.deadline import DeadlineReached, chunked_product, expired
 from fl_attack.pipeline.decompose import LowRankFactors
+from fl_attack.pipeline.select import Selection
 from fl_attack.pipeline.sparsity import ZeroTolerance
 from fl_attack.types import ArrayLike, ObservedUpdate, as_float64
 
@@ -137,12 +138,15 @@ class CertifiedSample:
         ``(b,)`` its row of ``Q^{-1}`` (``right^T dual = inputs``); missing directions are orthogonal to it.
     residual
         The fit's relative residual.
+    agreement
+        Share of the layer's neurons where the input's ReLU pattern agrees with the direction's zeros.
     """
 
     direction: torch.Tensor
     inputs: torch.Tensor
     dual: torch.Tensor
     residual: float
+    agreement: float = 1.0
 
 
 def next_layer_update(
@@ -385,7 +389,8 @@ class Deflation:
             return None
         inputs = self.row_basis @ coordinates
         dual = coordinates / self.singular_values
-        return CertifiedSample(direction=direction, inputs=inputs, dual=dual, residual=residual)
+        width = self.coordinates.shape[0] + self.dead_coordinates.shape[0]
+        return CertifiedSample(direction, inputs, dual, residual, agreement=1.0 - errors / width)
 
     def _kernel(self, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The zero rows kept and the unit activation vector ``h`` vanishing on them (sign: sum >= 0).
@@ -457,3 +462,29 @@ def deflation_for(
         min_zeros=pool.min_zeros,
         stats=stats,
     )
+
+
+def with_certified_rows(selection: Selection, deflation: Deflation | None) -> Selection:
+    """An incomplete ``selection`` with the certified samples' inputs in its rows.
+
+    In a partial selection ``X^T = Q^{-1} R`` mixes every row with the placeholder directions, so
+    even its found rows are off; a certified sample's input is exact by itself. Each certified
+    sample replaces the found row of its direction, or fills a placeholder row (then found), with
+    its pattern agreement as the row's matching. A complete selection is returned as it is.
+    """
+    if deflation is None or selection.complete or not deflation.samples:
+        return selection
+    directions, found = selection.directions.clone(), selection.found.clone()
+    inputs, per_sample = selection.inputs.clone(), selection.per_sample.clone()
+    unit = directions / directions.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    for sample in deflation.samples:
+        same = found & ((unit @ sample.direction).abs() > SAME_SAMPLE_COS)
+        free = torch.nonzero(same if bool(same.any()) else ~found).flatten()
+        if free.numel() == 0:
+            continue
+        row = int(free[0])
+        directions[row], unit[row], found[row] = sample.direction, sample.direction, True
+        inputs[row] = sample.inputs.to(inputs)
+        per_sample[row] = sample.agreement
+    matching = float(per_sample.mean())
+    return Selection(directions, found, inputs, per_sample, matching)
