@@ -7,7 +7,7 @@ input. Certified inputs give rows of ``Q^{-1}``, to which every missing directio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +29,6 @@ from fl_attack.simulate.victims import build_victim, client_gradient, first_line
 from tests.synthetic_layer import SyntheticUpdate, next_layer_update, relu_layer_update
 
 BATCH, WIDTH, FEATURES, NEXT = 12, 120, 40, 60
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,8 @@ RESIDUAL_FLOOR = 1e-10
 PATTERN_MARGIN = 1e-3
 MAX_PATTERN_ERRORS = 2
 
-#: Kernel fits per direction: while the zero rows have no common kernel, the row farthest from the
-#: best one is a wrong zero (an active neuron with a vanishing gradient), dropped and refitted.
+#: Kernel fits per direction: while the zero rows have no common kernel, the row of largest
+#: leverage is a wrong zero (an active neuron with a vanishing gradient), dropped and refitted.
 OUTLIER_ROUNDS = 4
 
 #: Two certified directions with ``|cos|`` above this are the same sample.
@@ -266,7 +266,7 @@ class Deflation:
         self.coordinates, self.bias = coordinates[active], self._bias_all[active]
         self.dead_coordinates, self.dead_bias = coordinates[~active], self._bias_all[~active]
         self.span = span.basis[active]
-        self.span_noise = span.relative_noise
+        self.span_noise: float = span.relative_noise
         self.residual_bound = max(
             RESIDUAL_FLOOR, RESIDUAL_PER_NOISE * (self.relative_noise + span.relative_noise)
         )
@@ -286,6 +286,7 @@ class Deflation:
             "next_layer_certified": self.found,
             "next_layer_tried": self.tried,
             "next_layer_max_residual": max(residuals) if residuals else 0.0,
+            "next_layer_relative_noise": self.span_noise,
         }
 
     def hold(self, directions: torch.Tensor) -> None:
