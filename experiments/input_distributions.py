@@ -16,6 +16,7 @@ time, and how often the attack claimed ``complete`` on a batch that was not exac
 
     python -m experiments.input_distributions --trials 10 --label after
     python -m experiments.input_distributions --head off --label before      # without the head hook
+    python -m experiments.input_distributions --next-layer auto --label next # with the next layer's gradient
     python -m experiments.input_distributions --summarize OUT/before.csv OUT/after.csv
 
 The script imports nothing but :mod:`fl_attack`, so it can also time another checkout of it
@@ -47,6 +48,7 @@ from fl_attack import SpearPlusPlus
 from fl_attack.data.images import ImageData, load_dataset, sample_batch
 from fl_attack.data.tabular import TabularData, load_adult, sample_tabular_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.simulate import victims
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, linear_layers
 
 DATASETS = ("cifar10", "mnist-raw", "adult")
@@ -90,6 +92,8 @@ class Row:
     seconds: float
     head_searches: int
     error: str
+    next_layer: str = ""
+    """The attack's ``stats["next_layer"]`` ("on", "not needed", "off: ..."), empty when not given."""
 
 
 def _image_source(data: ImageData) -> Source:
@@ -152,9 +156,9 @@ def output_layer_weight(model: nn.Module) -> torch.Tensor | None:
     return layers[1][1].weight.detach().clone() if len(layers) == 2 else None
 
 
-def accepts_head_weight(attack: Any) -> bool:
-    """Whether this checkout's attack takes the ``head_weight`` keyword."""
-    return "head_weight" in inspect.signature(attack.invert).parameters
+def accepts_keyword(attack: Any, name: str) -> bool:
+    """Whether this checkout's attack takes the keyword ``name``."""
+    return name in inspect.signature(attack.invert).parameters
 
 
 def attack_batch(
@@ -166,8 +170,13 @@ def attack_batch(
     seed: int,
     time_budget: float,
     use_head: bool,
+    use_next_layer: bool = False,
 ) -> tuple[dict[str, Any], bool]:
-    """Attack trial ``seed``'s gradient once; the row's outcome fields and whether the head was used."""
+    """Attack trial ``seed``'s gradient once; the row's outcome fields and whether the head was used.
+
+    ``use_next_layer`` also passes the gradient of the layer the attacked layer's ReLU feeds
+    (``next_weight_grad=``), where the attack takes it and one follows.
+    """
     inputs, labels = source.sample(batch_size, seed)
     model = build_victim(
         "spear++",
@@ -181,9 +190,14 @@ def attack_batch(
     _, layer = first_linear(model)
     attack = SpearPlusPlus(time_budget=time_budget, seed=seed, progress=False)
     extra: dict[str, Any] = {}
-    head = output_layer_weight(model) if use_head and accepts_head_weight(attack) else None
+    head = output_layer_weight(model) if use_head and accepts_keyword(attack, "head_weight") else None
     if head is not None:
         extra["head_weight"] = head
+    gradient_of_next = getattr(victims, "next_layer_gradient", None)  # absent from older checkouts
+    if use_next_layer and gradient_of_next is not None and accepts_keyword(attack, "next_weight_grad"):
+        following = gradient_of_next(model, inputs, labels)
+        if following is not None:
+            extra["next_weight_grad"] = following
     start = time.perf_counter()
     try:
         rec = attack.invert(
@@ -214,6 +228,7 @@ def attack_batch(
         "seconds": rec.seconds,
         "head_searches": int(rec.stats.get("head_searches", 0)),
         "error": "",
+        "next_layer": str(rec.stats.get("next_layer", "")),
     }, head is not None
 
 
@@ -283,6 +298,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                             seed=seed,
                             time_budget=args.time_budget,
                             use_head=args.head == "auto",
+                            use_next_layer=args.next_layer == "auto",
                         )
                         row = Row(
                             label=args.label,
@@ -311,6 +327,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         "threads": args.threads,
         "time_budget": args.time_budget,
         "head": args.head,
+        "next_layer": args.next_layer,
         "argv": sys.argv[1:],
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -341,6 +358,7 @@ def read_rows(paths: Sequence[str]) -> list[Row]:
                         seconds=float(record["seconds"]),
                         head_searches=int(record["head_searches"]),
                         error=record["error"],
+                        next_layer=record.get("next_layer", ""),
                     )
                 )
     return rows
@@ -401,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "off"),
         default="auto",
         help="auto: pass the output layer's weight where it follows the attacked layer",
+    )
+    parser.add_argument(
+        "--next-layer",
+        choices=("off", "auto"),
+        default="off",
+        help="auto: pass the gradient of the layer the attacked layer's ReLU feeds (next_weight_grad=)",
     )
     parser.add_argument(
         "--label", default="run", help="names the CSV / JSON files and the run in the summary"
