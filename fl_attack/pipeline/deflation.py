@@ -354,7 +354,10 @@ class Deflation:
             if known.shape[0] and float((known @ unit[index]).abs().max()) > SAME_SAMPLE_COS:
                 continue
             self.tried += 1
-            sample = self._certify_one(unit[index], columns[index])
+            try:
+                sample = self._certify_one(unit[index], columns[index])
+            except torch.linalg.LinAlgError:  # type: ignore[attr-defined]  # a degenerate fit certifies nothing
+                sample = None
             if sample is not None:
                 self.samples.append(sample)
                 added += 1
