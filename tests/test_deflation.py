@@ -203,7 +203,7 @@ def test_a_partial_result_keeps_the_certified_samples_exact(monkeypatch: pytest.
 
     exact, certified, complete = exact_rows()
     assert not complete and certified >= 10 and exact >= certified
-    # the selection's own rows of a partial batch mix in its placeholder directions
+    # the selection's own rows of a partial batch mix in the completion of its unfound directions
     monkeypatch.setattr(spear_module, "with_certified_rows", lambda selection, deflation: selection)
     without, _, _ = exact_rows()
     assert without < certified

@@ -471,10 +471,11 @@ def deflation_for(
 def with_certified_rows(selection: Selection, deflation: Deflation | None) -> Selection:
     """An incomplete ``selection`` with the certified samples' inputs in its rows.
 
-    In a partial selection ``X^T = Q^{-1} R`` mixes every row with the placeholder directions, so
-    even its found rows are off; a certified sample's input is exact by itself. Each certified
-    sample replaces the found row of its direction, or fills a placeholder row (then found), with
-    its pattern agreement as the row's matching. A complete selection is returned as it is.
+    In a partial selection ``X^T = Q^{-1} R`` mixes every row with the orthonormal completion that
+    stands for the unfound directions, so even its found rows are off; a certified sample's input
+    is exact by itself. Each certified sample replaces the found row of its direction, or takes the
+    row of an unfound one (then found), with its pattern agreement as the row's matching. A
+    complete selection is returned as it is.
     """
     if deflation is None or selection.complete or not deflation.samples:
         return selection
