@@ -77,7 +77,7 @@ def test_exact_rows_imply_the_true_columns() -> None:
     torch.testing.assert_close(cosines, torch.ones_like(cosines), rtol=0, atol=1e-9)
 
 
-def test_a_blended_row_is_counted_as_a_blend_and_a_placeholder_as_missing() -> None:
+def test_a_blended_direction_is_counted_as_a_blend_and_an_unclaimed_row_as_missing() -> None:
     inputs, columns = _sparse_batch(3)
     grad = columns.T @ inputs
     left = decompose(grad, batch_size=inputs.shape[0]).left
