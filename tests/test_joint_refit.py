@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from fl_attack.pipeline.blend_refit import blend_refit
 from fl_attack.pipeline.joint_refit import MIN_COS, joint_refit, predicted_zeros, refit_on
 from fl_attack.pipeline.select import (
     Selection,
@@ -137,7 +138,7 @@ def test_finish_noisy_refits_only_wide_layers_with_most_of_the_batch_found() -> 
     wide = _layer(width=1200)
     complete = _selection(wide.scorer, _tilted(wide.directions, 0.995))
     refitted = finish_noisy(wide.scorer, complete, width=1200, deadline=math.inf)
-    expected = joint_refit(wide.scorer, prune_doubtful(wide.scorer, complete))
+    expected = blend_refit(wide.scorer, joint_refit(wide.scorer, prune_doubtful(wide.scorer, complete)))
     assert torch.equal(refitted.directions, expected.directions)
     assert refitted.sparsity_matching > complete.sparsity_matching
     b = wide.directions.shape[0]

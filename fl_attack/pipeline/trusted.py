@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from fl_attack.pipeline.blend_refit import blend_refit
 from fl_attack.pipeline.deadline import expired
 from fl_attack.pipeline.joint_refit import joint_refit
 from fl_attack.pipeline.select import (
@@ -341,11 +342,12 @@ def finish_noisy(
 ) -> Selection:
     """The last steps of a noisy attack: :func:`fl_attack.pipeline.select.prune_doubtful`, then on
     wide layers (:func:`uses_trusted_selection`) with at least ``REFIT_MIN_FOUND`` of the batch
-    found, the joint re-fit of :mod:`fl_attack.pipeline.joint_refit`; both stop at ``deadline``."""
+    found, the joint re-fit of :mod:`fl_attack.pipeline.joint_refit` and the re-fit of blended rows of
+    :mod:`fl_attack.pipeline.blend_refit`; all stop at ``deadline``."""
     b = selection.directions.shape[0]
     pruned = prune_doubtful(scorer, selection, deadline=deadline)
     if not uses_trusted_selection(noisy=True, width=width, batch_size=b):
         return pruned
     if int(pruned.found.sum()) < REFIT_MIN_FOUND * b:
         return pruned
-    return joint_refit(scorer, pruned, deadline=deadline)
+    return blend_refit(scorer, joint_refit(scorer, pruned, deadline=deadline), deadline=deadline)
