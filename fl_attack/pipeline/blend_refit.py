@@ -22,7 +22,7 @@ blend's does (its input, read through the other rows, is mostly its main sample'
 re-fit of a right row that a blend distorts raises it. On the batch above this moved 5 of the 7
 blends from a cosine of 0.56-0.93 to the nearest true direction to 0.97-0.998 and raised the batch
 from 24.2 to 25.8 dB; on a second batch (seed 4, 8 blends) it moved 8 rows from 0.64-0.96 to
-0.82-0.996 and the batch from 22.4 to 23.9 dB; 3-4 s each (scratch analyses of captured selections).
+0.82-0.996 and the batch from 22.4 to 23.9 dB; 2 s each (scratch analyses of captured selections).
 
 It finds no missing sample. A blend of a sample the selection lacks reads, through the
 completion, as a mix of inputs itself: on a synthetic layer with the mixed-in sample left out, the
@@ -96,17 +96,24 @@ def inactive_excess(scorer: SparsityMatchingScorer, directions: torch.Tensor) ->
 
 
 def refit_on_inactive(
-    scorer: SparsityMatchingScorer, directions: torch.Tensor, rows: list[int]
+    scorer: SparsityMatchingScorer,
+    directions: torch.Tensor,
+    rows: list[int],
+    *,
+    masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``directions`` with each of ``rows`` replaced by the unit vector minimising its gradient
     column on the confidently inactive neurons of its current input, signed like the row; a row
-    with fewer than ``b - 1`` such neurons is kept."""
+    with fewer than ``b - 1`` such neurons is kept. ``masks`` are the set's :func:`inactive_masks`
+    when the caller has them already."""
     unit = directions / directions.norm(dim=1, keepdim=True)
     if not rows:
         return unit
-    _, q_inv = scorer.score(unit)
+    if masks is None:
+        _, q_inv = scorer.score(unit)
+        masks = inactive_masks(scorer, q_inv)
     refitted = unit.clone()
-    refitted[rows] = refit_on(scorer, unit[rows], inactive_masks(scorer, q_inv)[rows])
+    refitted[rows] = refit_on(scorer, unit[rows], masks[rows])
     return refitted
 
 
@@ -146,11 +153,13 @@ def blend_refit(
         flagged = [i for i in range(k) if float(excess[i]) > EXCESS_RATIO]
         kept: list[int] = []
         seconds = 0.0
+        _, q_inv = scorer.score(directions)
+        masks = inactive_masks(scorer, q_inv)  # the same for every row re-fitted in this round
         for i in flagged:
             if expired(deadline) or time.perf_counter() + seconds > deadline:
                 break  # each re-fit costs about as much as the one before
             started = time.perf_counter()
-            trial = refit_on_inactive(scorer, directions, [i])
+            trial = refit_on_inactive(scorer, directions, [i], masks=masks)
             others = torch.cat([trial[:i], trial[i + 1 : k]])
             twin = bool(((others @ trial[i]).abs() > MAX_TWIN_COS).any())
             if not twin and float(inactive_excess(scorer, trial)[i]) < float(excess[i]):
@@ -158,7 +167,7 @@ def blend_refit(
             seconds = time.perf_counter() - started
         if not kept:
             break
-        refitted = refit_on_inactive(scorer, directions, kept)[:k]
+        refitted = refit_on_inactive(scorer, directions, kept, masks=masks)[:k]
         completion = orthonormal_completion(refitted, b).to(refitted.dtype) if k < b else refitted[:0]
         candidate = torch.cat([refitted, completion], dim=0)
         candidate_excess = inactive_excess(scorer, candidate)
