@@ -8,6 +8,7 @@ relative error. The :class:`fl_attack.audit.Auditor` only calls the three method
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -134,3 +135,42 @@ def fractions(exact: np.ndarray, approx: np.ndarray) -> dict[str, Any]:
         "approx_fraction": float(np.mean(approx)),
         "batch_exact": bool(np.all(exact)),
     }
+
+
+def unscored(*, kind: str, plausibility: dict[str, Any], images: np.ndarray | None = None) -> Scored:
+    """A reconstruction rendered without ground truth: its images (if any) and plausibility figures.
+
+    What every scorer's ``render`` returns.
+    """
+    return Scored(
+        reconstructed_images=images,
+        reference_images=None,
+        quality={"kind": kind, PLAUSIBILITY_KEY: plausibility},
+        psnr=None,
+        kind=kind,
+    )
+
+
+def rows_at_indices(
+    dataset: np.ndarray | torch.Tensor | None, indices: Sequence[int] | None, *, no_dataset: str
+) -> np.ndarray:
+    """The ``(k, n)`` rows of ``dataset`` at the ground truth's ``indices`` (duplicates once, in order).
+
+    What every scorer's ``references`` looks up when a client sent indices instead of inputs.
+
+    Raises
+    ------
+    ValueError
+        ``no_dataset`` when there is no dataset; when there are no indices; on indices outside
+        the dataset.
+    """
+    unique = list(dict.fromkeys(int(index) for index in indices or []))
+    if dataset is None:
+        raise ValueError(no_dataset)
+    if not unique:
+        raise ValueError("no ground-truth indices to score against")
+    if min(unique) < 0 or max(unique) >= dataset.shape[0]:
+        raise ValueError(
+            f"ground-truth indices must lie in [0, {dataset.shape[0]}), got {min(unique)}..{max(unique)}"
+        )
+    return np.asarray(dataset[unique])

@@ -27,6 +27,8 @@ from .scored import (
     as_rows,
     check_pair,
     fractions,
+    rows_at_indices,
+    unscored,
 )
 
 #: A reference row shorter than this share of the batch's longest row is scored against that
@@ -140,13 +142,7 @@ class FeatureScorer:
 
     def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
         """The reconstruction without ground truth: no images, only plausibility figures."""
-        return Scored(
-            reconstructed_images=None,
-            reference_images=None,
-            quality={"kind": self.kind, PLAUSIBILITY_KEY: self.plausibility(reconstruction)},
-            psnr=None,
-            kind=self.kind,
-        )
+        return unscored(kind=self.kind, plausibility=self.plausibility(reconstruction))
 
     def references(self, truth: GroundTruth) -> np.ndarray:
         """The ``(k, n)`` true features of a client: the inputs it sent, or its indices looked up.
@@ -159,20 +155,12 @@ class FeatureScorer:
         """
         if truth.inputs is not None:
             return as_rows(truth.inputs, name="ground truth")
-        unique = list(dict.fromkeys(int(index) for index in truth.indices or []))
-        if self._dataset is None:
-            raise ValueError(
-                "the client sent dataset indices but this FeatureScorer has no dataset: pass "
-                "FeatureScorer(dataset=...), or have the client send its layer inputs (attach_ground_truth)"
-            )
-        if not unique:
-            raise ValueError("no ground-truth indices to score against")
-        if min(unique) < 0 or max(unique) >= self._dataset.shape[0]:
-            raise ValueError(
-                f"ground-truth indices must lie in [0, {self._dataset.shape[0]}), "
-                f"got {min(unique)}..{max(unique)}"
-            )
-        return np.asarray(self._dataset[unique])
+        return rows_at_indices(
+            self._dataset,
+            truth.indices,
+            no_dataset="the client sent dataset indices but this FeatureScorer has no dataset: pass "
+            "FeatureScorer(dataset=...), or have the client send its layer inputs (attach_ground_truth)",
+        )
 
     def score_against(self, reconstruction: np.ndarray | torch.Tensor, reference: np.ndarray) -> Scored:
         """Match the ``(b, n)`` reconstruction to the ``(k, n)`` true features and score each.

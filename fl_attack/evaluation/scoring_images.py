@@ -15,7 +15,15 @@ import torch
 
 from fl_attack.audit.observations import GroundTruth
 
-from .scored import KIND_IMAGES, PER_SAMPLE_METRICS, PLAUSIBILITY_KEY, Scored, as_rows
+from .scored import (
+    KIND_IMAGES,
+    PER_SAMPLE_METRICS,
+    PLAUSIBILITY_KEY,
+    Scored,
+    as_rows,
+    rows_at_indices,
+    unscored,
+)
 
 #: A denormalized pixel counts as inside ``[0, 1]`` within this margin.
 RANGE_MARGIN = 1e-3
@@ -101,12 +109,8 @@ class ReconstructionScorer:
 
     def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
         """Images of a reconstruction without ground truth (only plausibility figures)."""
-        return Scored(
-            reconstructed_images=self.images(reconstruction),
-            reference_images=None,
-            quality={"kind": self.kind, PLAUSIBILITY_KEY: self.plausibility(reconstruction)},
-            psnr=None,
-            kind=self.kind,
+        return unscored(
+            kind=self.kind, plausibility=self.plausibility(reconstruction), images=self.images(reconstruction)
         )
 
     def references(self, truth: GroundTruth) -> np.ndarray:
@@ -120,15 +124,7 @@ class ReconstructionScorer:
         if truth.inputs is not None:
             reference = np.asarray(truth.inputs, dtype=np.float64)
             return reference.reshape(reference.shape[0], -1)
-        unique = list(dict.fromkeys(int(index) for index in truth.indices or []))
-        if not unique:
-            raise ValueError("no ground-truth indices to score against")
-        if min(unique) < 0 or max(unique) >= self._inputs.shape[0]:
-            raise ValueError(
-                f"ground-truth indices must lie in [0, {self._inputs.shape[0]}), "
-                f"got {min(unique)}..{max(unique)}"
-            )
-        return np.asarray(self._inputs[unique].numpy())
+        return rows_at_indices(self._inputs.numpy(), truth.indices, no_dataset="this scorer has no dataset")
 
     def score(self, reconstruction: np.ndarray | torch.Tensor, indices: list[int]) -> Scored:
         """Score a reconstruction against the dataset samples ``indices`` (duplicates scored once)."""

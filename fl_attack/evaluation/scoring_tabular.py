@@ -24,7 +24,16 @@ from fl_attack.data.tabular_schema import DecodedBatch, TabularSchema
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
 
 from .metrics import match_samples
-from .scored import KIND_TABULAR, PER_SAMPLE_METRICS, PLAUSIBILITY_KEY, Scored, as_rows, fractions
+from .scored import (
+    KIND_TABULAR,
+    PER_SAMPLE_METRICS,
+    PLAUSIBILITY_KEY,
+    Scored,
+    as_rows,
+    fractions,
+    rows_at_indices,
+    unscored,
+)
 
 #: TabLeak's tolerance: a continuous value is recovered within this many standard deviations.
 TABLEAK_TOLERANCE_STD = 0.319
@@ -253,13 +262,7 @@ class TabularScorer:
 
     def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
         """The reconstruction without ground truth: no images, only plausibility figures."""
-        return Scored(
-            reconstructed_images=None,
-            reference_images=None,
-            quality={"kind": self.kind, PLAUSIBILITY_KEY: self.plausibility(reconstruction)},
-            psnr=None,
-            kind=self.kind,
-        )
+        return unscored(kind=self.kind, plausibility=self.plausibility(reconstruction))
 
     def references(self, truth: GroundTruth) -> np.ndarray:
         """The ``(k, n)`` true encoded rows: the inputs a client sent, or its indices looked up.
@@ -271,20 +274,12 @@ class TabularScorer:
         """
         if truth.inputs is not None:
             return self.schema.check_batch(truth.inputs, name="ground truth")
-        if self._dataset is None:
-            raise ValueError(
-                "the client sent dataset indices but this TabularScorer has no dataset: pass "
-                "TabularScorer(schema, dataset=...), or have the client send its rows (attach_ground_truth)"
-            )
-        unique = list(dict.fromkeys(int(index) for index in truth.indices or []))
-        if not unique:
-            raise ValueError("no ground-truth indices to score against")
-        if min(unique) < 0 or max(unique) >= self._dataset.shape[0]:
-            raise ValueError(
-                f"ground-truth indices must lie in [0, {self._dataset.shape[0]}), "
-                f"got {min(unique)}..{max(unique)}"
-            )
-        return np.asarray(self._dataset[unique])
+        return rows_at_indices(
+            self._dataset,
+            truth.indices,
+            no_dataset="the client sent dataset indices but this TabularScorer has no dataset: pass "
+            "TabularScorer(schema, dataset=...), or have the client send its rows (attach_ground_truth)",
+        )
 
     def score_against(self, reconstruction: np.ndarray | torch.Tensor, reference: np.ndarray) -> Scored:
         """Match the reconstructed rows to the true rows and score every feature.
