@@ -42,6 +42,7 @@ from fl_attack.pipeline.decompose import LowRankFactors, SpectrumEstimate
 from fl_attack.pipeline.deflation import Deflation
 from fl_attack.pipeline.onehot_groups import detect_onehot_groups
 from fl_attack.pipeline.onehot_side import OneHotSide
+from fl_attack.pipeline.pattern_scan import line_pattern_kernels
 from fl_attack.pipeline.select import SparsityMatchingScorer
 from fl_attack.pipeline.sparsity import ZeroTolerance, refine_on_zeros
 from fl_attack.pipeline.trusted import uses_trusted_selection
@@ -268,51 +269,6 @@ def cone_vertices(
     return torch.stack(found).to(side.basis.device)
 
 
-def _pattern_kernels(
-    left: torch.Tensor,
-    slope: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    minimum: int,
-    tolerance: float,
-    chunk: int,
-    deadline: float,
-) -> list[tuple[float, torch.Tensor]]:
-    """Kernels of the inactive rows of ``left`` for the patterns of ``alpha * slope + bias <= 0``, ``alpha > 0``.
-
-    One probe per interval between consecutive positive breakpoints (and beyond the last);
-    a pattern of at least ``minimum`` rows whose smallest singular value per row is within
-    ``10 * tolerance`` (at least ``KERNEL_FLOOR``: the Gram matrix squares float64 digits away)
-    gives ``(residual, kernel vector)``.
-    """
-    usable = slope != 0
-    breakpoints = -bias[usable] / slope[usable]
-    breakpoints = torch.sort(breakpoints[breakpoints > 0]).values
-    if breakpoints.numel() == 0:
-        probes = torch.ones(1, dtype=left.dtype, device=left.device)
-    else:
-        probes = torch.cat(
-            [breakpoints[:1] / 2, (breakpoints[:-1] + breakpoints[1:]) / 2, 2 * breakpoints[-1:]]
-        )
-    limit = max(10.0 * tolerance, KERNEL_FLOOR)
-    found: list[tuple[float, torch.Tensor]] = []
-    for start in range(0, probes.numel(), chunk):
-        if expired(deadline):
-            break
-        inactive = (probes[start : start + chunk, None] * slope[None, :] + bias[None, :]) <= 0
-        counts = inactive.sum(dim=1)
-        inactive = inactive[counts >= minimum].to(left.dtype)
-        if inactive.shape[0] == 0:
-            continue
-        grams = torch.einsum("pm,mi,mj->pij", inactive, left, left)
-        eigenvalues, eigenvectors = torch.linalg.eigh(grams)
-        residual = eigenvalues[:, 0].clamp_min(0).sqrt() / inactive.sum(dim=1).sqrt()
-        for value, vector in zip(residual.tolist(), eigenvectors[:, :, 0], strict=True):
-            if value <= limit:
-                found.append((value, vector))
-    return found
-
-
 def gradient_directions(
     side: InputSide,
     directions: torch.Tensor,
@@ -368,14 +324,16 @@ def gradient_directions(
     for index in range(directions.shape[0]):
         if expired(deadline):
             break
-        hits = _pattern_kernels(
+        hits = line_pattern_kernels(
             left,
             slopes[:, index],
             bias,
             minimum=max(min_zeros, b - 1),
-            tolerance=tolerance.absolute,
+            limit=max(10.0 * tolerance.absolute, KERNEL_FLOOR),
             chunk=chunk,
             deadline=deadline,
+            positive_only=True,
+            fresh_grams=True,
         )
         # every pattern with a kernel: a smaller one around the sample's own can leave a look-alike's
         # near-kernel with a smaller residual; the pool's filters and the selection tell them apart

@@ -24,87 +24,11 @@ import torch
 
 from fl_attack.pipeline.deadline import cholesky_seconds, chunk_rows, expired, matmul_seconds
 from fl_attack.pipeline.decompose import LowRankFactors
+from fl_attack.pipeline.pattern_scan import line_pattern_kernels
 from fl_attack.pipeline.sparsity import ZeroTolerance
 
 #: Upper bound on the flops spent on the ``d = 2`` scan (Cholesky screens of all patterns).
 PAIR_SCAN_FLOPS = 3e10
-
-
-def _scan_line(
-    left: torch.Tensor,
-    slope: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    minimum: int,
-    tolerance: float,
-    chunk: int,
-    deadline: float,
-) -> list[tuple[float, torch.Tensor]]:
-    """Near-exact kernels of the patterns of ``alpha * slope + bias <= 0`` over all ``alpha``.
-
-    The patterns are screened in chunks; the ones not reached by ``deadline`` are skipped.
-    """
-    b = left.shape[1]
-    usable = slope != 0
-    breakpoints = torch.where(
-        usable,
-        -bias / torch.where(usable, slope, torch.ones_like(slope)),
-        torch.full_like(slope, float("inf")),
-    )
-    order = torch.argsort(breakpoints)
-    ordered = breakpoints[order]
-    finite = torch.isfinite(ordered)
-    ordered, order = ordered[finite], order[finite]
-    if ordered.numel() == 0:
-        return []
-    # one probe per interval between consecutive breakpoints, plus one beyond each end
-    probes = torch.cat(
-        [
-            ordered[:1] - 1.0 - ordered[:1].abs(),
-            (ordered[:-1] + ordered[1:]) / 2,
-            ordered[-1:] + 1.0 + ordered[-1:].abs(),
-        ]
-    )
-    first_inactive = (probes[0] * slope + bias) <= 0
-    steps = torch.where(slope[order] < 0, 1, -1)
-    counts = torch.cat([first_inactive.sum()[None], first_inactive.sum() + torch.cumsum(steps, dim=0)])
-    # crossing breakpoint k upwards flips neuron order[k]: the Gram changes by one outer product
-    signs = steps.to(left.dtype)
-    gram = left.T @ (first_inactive.to(left.dtype)[:, None] * left)
-    eye = torch.eye(b, dtype=left.dtype, device=left.device)
-    found: list[tuple[float, torch.Tensor]] = []
-    for start in range(0, probes.numel(), chunk):
-        if expired(deadline):
-            break
-        stop = min(start + chunk, probes.numel())
-        index = torch.arange(start, stop, device=left.device)
-        flips = index[index > 0] - 1
-        rows = left[order[flips]]
-        grams = (
-            gram + torch.cumsum(signs[flips, None, None] * rows[:, :, None] * rows[:, None, :], dim=0)
-            if flips.numel()
-            else gram[None]
-        )
-        if flips.numel() < index.numel():  # the first chunk starts with the initial pattern itself
-            grams = torch.cat([gram[None], grams], dim=0)
-        gram = grams[-1]
-        chunk_counts = counts[start:stop]
-        keep = (chunk_counts >= minimum) & (probes[start:stop] != 0)
-        if not bool(keep.any()):
-            continue
-        kept_grams, kept_counts = grams[keep], chunk_counts[keep].to(left.dtype)
-        # a pattern with a kernel makes G - eps I indefinite: Cholesky fails exactly there
-        eps = (10.0 * tolerance) ** 2 * kept_counts
-        _, info = torch.linalg.cholesky_ex(kept_grams - eps[:, None, None] * eye)
-        hits = info != 0
-        if not bool(hits.any()):
-            continue
-        eigenvalues, eigenvectors = torch.linalg.eigh(kept_grams[hits])
-        residual = eigenvalues[:, 0].clamp_min(0).sqrt() / kept_counts[hits].sqrt()
-        for value, vector in zip(residual.tolist(), eigenvectors[:, :, 0], strict=True):
-            if value <= 10.0 * tolerance:
-                found.append((value, vector))
-    return found
 
 
 def scan_missing_directions(
@@ -154,17 +78,12 @@ def scan_missing_directions(
     dual = complete[:, b - missing :]  # (b, d): orthogonal to every found direction
     slopes = pre_activation_basis @ dual  # (m, d)
     minimum = max(min_zeros, b - 1)
+    limit = 10.0 * tolerance.absolute
     chunk = min(chunk, chunk_rows(cholesky_seconds(b) + matmul_seconds(4.0 * b * b), device=left.device))
     hits: list[tuple[float, torch.Tensor]] = []
     if missing == 1:
-        hits = _scan_line(
-            left,
-            slopes[:, 0],
-            bias,
-            minimum=minimum,
-            tolerance=tolerance.absolute,
-            chunk=chunk,
-            deadline=deadline,
+        hits = line_pattern_kernels(
+            left, slopes[:, 0], bias, minimum=minimum, limit=limit, chunk=chunk, deadline=deadline
         )
     else:
         lines = int(max(8, min(4 * m, PAIR_SCAN_FLOPS / (m * b**3 / 3 + 1))))
@@ -175,14 +94,8 @@ def scan_missing_directions(
             angle = offset + math.pi * k / lines
             slope = math.cos(angle) * slopes[:, 0] + math.sin(angle) * slopes[:, 1]
             hits.extend(
-                _scan_line(
-                    left,
-                    slope,
-                    bias,
-                    minimum=minimum,
-                    tolerance=tolerance.absolute,
-                    chunk=chunk,
-                    deadline=deadline,
+                line_pattern_kernels(
+                    left, slope, bias, minimum=minimum, limit=limit, chunk=chunk, deadline=deadline
                 )
             )
     if not hits:
