@@ -174,3 +174,53 @@ def rows_at_indices(
             f"ground-truth indices must lie in [0, {dataset.shape[0]}), got {min(unique)}..{max(unique)}"
         )
     return np.asarray(dataset[unique])
+
+
+class SampleScorer:
+    """What every scorer shares: rendering without ground truth, and looking up the true samples.
+
+    A subclass sets ``kind``, ``dataset`` (the rows that ground truth sent as indices refers to,
+    or None) and ``dataset_hint`` (how to build it with a dataset), and implements
+    :meth:`plausibility`; it overrides :meth:`images` when it renders pictures and
+    :meth:`sent_rows` when a client's sent inputs need more than :func:`as_rows`.
+    """
+
+    kind: str
+    dataset: np.ndarray | None = None
+    dataset_hint: str = ""
+
+    def plausibility(self, reconstruction: np.ndarray | torch.Tensor) -> dict[str, Any]:
+        """Figures computed from the reconstruction alone (no ground truth)."""
+        raise NotImplementedError
+
+    def images(self, flat: np.ndarray | torch.Tensor) -> np.ndarray | None:
+        """The reconstruction as pictures for the PNG grid; None for a kind without pictures."""
+        return None
+
+    def sent_rows(self, inputs: np.ndarray | torch.Tensor) -> np.ndarray:
+        """The ``(k, n)`` rows of the inputs a client sent as its ground truth."""
+        return as_rows(inputs, name="ground truth")
+
+    def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
+        """The reconstruction without ground truth: its pictures (if any) and plausibility figures."""
+        return unscored(
+            kind=self.kind, plausibility=self.plausibility(reconstruction), images=self.images(reconstruction)
+        )
+
+    def references(self, truth: GroundTruth) -> np.ndarray:
+        """The ``(k, n)`` true samples of a client: the inputs it sent, or its dataset indices looked up.
+
+        Raises
+        ------
+        ValueError
+            On sent inputs of the wrong shape, indices without a dataset, or indices outside it.
+        """
+        if truth.inputs is not None:
+            return self.sent_rows(truth.inputs)
+        name = type(self).__name__
+        return rows_at_indices(
+            self.dataset,
+            truth.indices,
+            no_dataset=f"the client sent dataset indices but this {name} has no dataset: pass "
+            f"{self.dataset_hint}, or have the client send its layer inputs (attach_ground_truth)",
+        )

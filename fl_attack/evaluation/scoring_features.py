@@ -16,19 +16,17 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from fl_attack.audit.observations import GroundTruth
 from fl_attack.vocabulary import APPROX_RELATIVE_ERROR, EXACT_RELATIVE_ERROR
 
 from .scored import (
     KIND_FEATURES,
     PER_SAMPLE_METRICS,
     PLAUSIBILITY_KEY,
+    SampleScorer,
     Scored,
     as_rows,
     check_pair,
     fractions,
-    rows_at_indices,
-    unscored,
 )
 
 #: A reference row shorter than this share of the batch's longest row is scored against that
@@ -120,7 +118,7 @@ def feature_plausibility(rows: np.ndarray) -> dict[str, Any]:
     }
 
 
-class FeatureScorer:
+class FeatureScorer(SampleScorer):
     """Score reconstructed feature vectors by relative error; needs no dataset.
 
     Parameters
@@ -132,35 +130,14 @@ class FeatureScorer:
     """
 
     kind = KIND_FEATURES
+    dataset_hint = "FeatureScorer(dataset=...)"
 
     def __init__(self, *, dataset: np.ndarray | torch.Tensor | None = None) -> None:
-        self._dataset = None if dataset is None else as_rows(dataset, name="dataset")
+        self.dataset = None if dataset is None else as_rows(dataset, name="dataset")
 
     def plausibility(self, reconstruction: np.ndarray | torch.Tensor) -> dict[str, Any]:
         """:func:`feature_plausibility` of the reconstruction (no ground truth)."""
         return feature_plausibility(as_rows(reconstruction, name="reconstruction"))
-
-    def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
-        """The reconstruction without ground truth: no images, only plausibility figures."""
-        return unscored(kind=self.kind, plausibility=self.plausibility(reconstruction))
-
-    def references(self, truth: GroundTruth) -> np.ndarray:
-        """The ``(k, n)`` true features of a client: the inputs it sent, or its indices looked up.
-
-        Raises
-        ------
-        ValueError
-            If the client sent only indices and this scorer has no dataset, or on indices
-            outside the dataset.
-        """
-        if truth.inputs is not None:
-            return as_rows(truth.inputs, name="ground truth")
-        return rows_at_indices(
-            self._dataset,
-            truth.indices,
-            no_dataset="the client sent dataset indices but this FeatureScorer has no dataset: pass "
-            "FeatureScorer(dataset=...), or have the client send its layer inputs (attach_ground_truth)",
-        )
 
     def score_against(self, reconstruction: np.ndarray | torch.Tensor, reference: np.ndarray) -> Scored:
         """Match the ``(b, n)`` reconstruction to the ``(k, n)`` true features and score each.

@@ -19,10 +19,9 @@ from .scored import (
     KIND_IMAGES,
     PER_SAMPLE_METRICS,
     PLAUSIBILITY_KEY,
+    SampleScorer,
     Scored,
     as_rows,
-    rows_at_indices,
-    unscored,
 )
 
 #: A denormalized pixel counts as inside ``[0, 1]`` within this margin.
@@ -57,7 +56,7 @@ def image_plausibility(pictures: np.ndarray) -> dict[str, Any]:
     }
 
 
-class ReconstructionScorer:
+class ReconstructionScorer(SampleScorer):
     """Turn reconstructions into images and score them against the client's samples.
 
     Parameters
@@ -83,6 +82,7 @@ class ReconstructionScorer:
     ) -> None:
         values = torch.as_tensor(inputs).detach().to(device="cpu", dtype=torch.float64)
         self._inputs = values.reshape(values.shape[0], -1)
+        self.dataset = self._inputs.numpy()
         self._denormalize = denormalize
         self.image_shape = tuple(int(size) for size in image_shape)
 
@@ -107,24 +107,10 @@ class ReconstructionScorer:
         """:func:`image_plausibility` of the denormalized reconstruction (no ground truth)."""
         return image_plausibility(self._pictures(as_rows(reconstruction, name="reconstruction")))
 
-    def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
-        """Images of a reconstruction without ground truth (only plausibility figures)."""
-        return unscored(
-            kind=self.kind, plausibility=self.plausibility(reconstruction), images=self.images(reconstruction)
-        )
-
-    def references(self, truth: GroundTruth) -> np.ndarray:
-        """The ``(k, n)`` true samples of a client: its sent inputs, or its dataset indices looked up.
-
-        Raises
-        ------
-        ValueError
-            On indices outside the dataset.
-        """
-        if truth.inputs is not None:
-            reference = np.asarray(truth.inputs, dtype=np.float64)
-            return reference.reshape(reference.shape[0], -1)
-        return rows_at_indices(self._inputs.numpy(), truth.indices, no_dataset="this scorer has no dataset")
+    def sent_rows(self, inputs: np.ndarray | torch.Tensor) -> np.ndarray:
+        """The samples a client sent, as float64 rows."""
+        reference = np.asarray(inputs, dtype=np.float64)
+        return reference.reshape(reference.shape[0], -1)
 
     def score(self, reconstruction: np.ndarray | torch.Tensor, indices: list[int]) -> Scored:
         """Score a reconstruction against the dataset samples ``indices`` (duplicates scored once)."""

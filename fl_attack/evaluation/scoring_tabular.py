@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack.audit.observations import GroundTruth
 from fl_attack.data.tabular_schema import DecodedBatch, TabularSchema
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
 
@@ -28,11 +27,10 @@ from .scored import (
     KIND_TABULAR,
     PER_SAMPLE_METRICS,
     PLAUSIBILITY_KEY,
+    SampleScorer,
     Scored,
     as_rows,
     fractions,
-    rows_at_indices,
-    unscored,
 )
 
 #: TabLeak's tolerance: a continuous value is recovered within this many standard deviations.
@@ -208,7 +206,7 @@ def one_hot_validity(schema: TabularSchema, x: Any) -> np.ndarray:
     return np.stack(valid, axis=1) if valid else np.zeros((rows.shape[0], 0), dtype=bool)
 
 
-class TabularScorer:
+class TabularScorer(SampleScorer):
     """Score reconstructed table rows: categories exact, continuous values within a tolerance.
 
     Parameters
@@ -238,7 +236,7 @@ class TabularScorer:
             raise ValueError(f"tolerance_std must be a positive number, got {tolerance_std}")
         self.schema = schema
         self.tolerance_std = float(tolerance_std)
-        self._dataset = None if dataset is None else schema.check_batch(dataset, name="dataset")
+        self.dataset = None if dataset is None else schema.check_batch(dataset, name="dataset")
 
     def plausibility(self, reconstruction: np.ndarray | torch.Tensor) -> dict[str, Any]:
         """Ground-truth-free figures: how many decoded categories are valid codes or one-hot groups.
@@ -260,26 +258,9 @@ class TabularScorer:
             "plausible_rows": int(valid.all(axis=1).sum()),
         }
 
-    def render(self, reconstruction: np.ndarray | torch.Tensor) -> Scored:
-        """The reconstruction without ground truth: no images, only plausibility figures."""
-        return unscored(kind=self.kind, plausibility=self.plausibility(reconstruction))
-
-    def references(self, truth: GroundTruth) -> np.ndarray:
-        """The ``(k, n)`` true encoded rows: the inputs a client sent, or its indices looked up.
-
-        Raises
-        ------
-        ValueError
-            On rows of the wrong width, indices without a dataset, or indices outside it.
-        """
-        if truth.inputs is not None:
-            return self.schema.check_batch(truth.inputs, name="ground truth")
-        return rows_at_indices(
-            self._dataset,
-            truth.indices,
-            no_dataset="the client sent dataset indices but this TabularScorer has no dataset: pass "
-            "TabularScorer(schema, dataset=...), or have the client send its rows (attach_ground_truth)",
-        )
+    def sent_rows(self, inputs: np.ndarray | torch.Tensor) -> np.ndarray:
+        """The encoded rows a client sent, checked against the schema."""
+        return self.schema.check_batch(inputs, name="ground truth")
 
     def score_against(self, reconstruction: np.ndarray | torch.Tensor, reference: np.ndarray) -> Scored:
         """Match the reconstructed rows to the true rows and score every feature.
