@@ -291,3 +291,28 @@ def test_auditor_scores_features_of_a_layer_after_convolutions() -> None:
     assert scored.quality["max_relative_error"] < 1e-12
     assert scored.psnr is None and scored.reconstructed_images is None
     assert unscored.quality == {"kind": "features", "plausibility": FeatureScorer().plausibility(features)}
+
+
+def test_every_scorer_looks_up_indices_and_renders_alike() -> None:
+    schema = _one_hot_schema()
+    rows = schema.encode(_records()).double().numpy()
+    images = ReconstructionScorer(
+        torch.arange(24.0).reshape(4, 6),
+        denormalize=lambda flat: flat.reshape(-1, 1, 2, 3),
+        image_shape=(1, 2, 3),
+    )
+    scorers = (images, FeatureScorer(dataset=rows), TabularScorer(schema, dataset=rows))
+    for scorer, dataset in zip(scorers, (np.arange(24.0).reshape(4, 6), rows, rows), strict=True):
+        np.testing.assert_array_equal(scorer.references(GroundTruth(indices=[2, 0, 2])), dataset[[2, 0]])
+        with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got 1..4"):
+            scorer.references(GroundTruth(indices=[1, 4]))
+        with pytest.raises(ValueError, match="no ground-truth indices"):
+            scorer.references(GroundTruth(indices=[]))
+        rendered = scorer.render(dataset[:2])
+        assert rendered.quality == {"kind": scorer.kind, "plausibility": scorer.plausibility(dataset[:2])}
+        assert rendered.psnr is None and rendered.reference_images is None
+        assert (rendered.reconstructed_images is None) == (scorer is not images)
+    with pytest.raises(
+        ValueError, match=r"TabularScorer has no dataset: pass TabularScorer\(schema, dataset"
+    ):
+        TabularScorer(schema).references(GroundTruth(indices=[0]))

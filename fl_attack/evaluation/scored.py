@@ -180,7 +180,7 @@ class SampleScorer:
     """What every scorer shares: rendering without ground truth, and looking up the true samples.
 
     A subclass sets ``kind``, ``dataset`` (the rows that ground truth sent as indices refers to,
-    or None) and ``dataset_hint`` (how to build it with a dataset), and implements
+    or None) and ``dataset_hint`` (what to do when it has none), and implements
     :meth:`plausibility`; it overrides :meth:`images` when it renders pictures and
     :meth:`sent_rows` when a client's sent inputs need more than :func:`as_rows`.
     """
@@ -221,6 +221,5 @@ class SampleScorer:
         return rows_at_indices(
             self.dataset,
             truth.indices,
-            no_dataset=f"the client sent dataset indices but this {name} has no dataset: pass "
-            f"{self.dataset_hint}, or have the client send its layer inputs (attach_ground_truth)",
+            no_dataset=f"the client sent dataset indices but this {name} has no dataset: {self.dataset_hint}",
         )

@@ -130,7 +130,9 @@ class FeatureScorer(SampleScorer):
     """
 
     kind = KIND_FEATURES
-    dataset_hint = "FeatureScorer(dataset=...)"
+    dataset_hint = (
+        "pass FeatureScorer(dataset=...), or have the client send its layer inputs (attach_ground_truth)"
+    )
 
     def __init__(self, *, dataset: np.ndarray | torch.Tensor | None = None) -> None:
         self.dataset = None if dataset is None else as_rows(dataset, name="dataset")

@@ -220,6 +220,9 @@ class TabularScorer(SampleScorer):
     """
 
     kind = KIND_TABULAR
+    dataset_hint = (
+        "pass TabularScorer(schema, dataset=...), or have the client send its rows (attach_ground_truth)"
+    )
 
     def __init__(
         self,
