@@ -130,6 +130,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--total-budget", type=float, default=math.inf, help="seconds after which no new attack starts"
     )
+    parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="allow TF32 matmuls on the GPU (an ablation; default off as in torch)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-root", default=None)
     parser.add_argument(
@@ -373,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("gpu_bench: --devices names cuda but torch sees no GPU")
     next_cells, profile_cells = cells_of(args.next_layer_cells, cells), cells_of(args.profile_cells, cells)
     torch.set_num_threads(args.cpu_threads)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     args.out.mkdir(parents=True, exist_ok=True)
     data = load_images(args.data_root, args.fallback_dataset)
     gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -386,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "next_layer_cells": sorted(next_cells),
         "dataset": data.name,
         "seed": args.seed,
+        "tf32": args.tf32,
         "torch": torch.__version__,
         "gpu_name": gpu_name,
         "python": sys.version.split()[0],
