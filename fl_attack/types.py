@@ -25,8 +25,9 @@ def _unit_roundoff(*values: ArrayLike) -> float:
             continue
         if tensor.dtype == torch.float64:
             tensor = tensor.detach()
-            finite = tensor[torch.isfinite(tensor)]
-            if finite.numel() and bool((finite.float().double() == finite).all()):
+            finite = torch.isfinite(tensor)
+            # no boolean-mask copy of the finite entries (a full copy, and a host sync on a GPU)
+            if bool(finite.any()) and bool(((tensor.float().double() == tensor) | ~finite).all()):
                 eps = max(eps, torch.finfo(torch.float32).eps)
         else:
             eps = max(eps, torch.finfo(tensor.dtype).eps)

@@ -38,6 +38,6 @@ def precision_stats(scorer: SparsityMatchingScorer, selection: Selection) -> dic
     """``estimated_relative_errors`` (one per row) and ``estimated_max_relative_error``."""
     errors = estimated_row_errors(scorer, selection)
     return {
-        "estimated_relative_errors": [float(error) for error in errors],
+        "estimated_relative_errors": errors.tolist(),  # one host copy, not one per row
         "estimated_max_relative_error": float(errors.max()),
     }

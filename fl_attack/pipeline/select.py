@@ -183,9 +183,11 @@ def sparsest_independent(candidates: torch.Tensor, zero_counts: torch.Tensor, si
 
     A candidate within ``TWIN_COS_TOLERANCE`` of a chosen one is skipped as its twin (the
     same sample's direction rounded on slightly different zeros): independent in exact
-    arithmetic, but it would push out another sample and make ``Q`` ill-conditioned.
+    arithmetic, but it would push out another sample and make ``Q`` ill-conditioned. Runs on
+    the host: each candidate's two tests would otherwise be two device round trips.
     """
-    order = torch.argsort(zero_counts, descending=True, stable=True).tolist()
+    candidates = candidates.cpu()
+    order = torch.argsort(zero_counts.cpu(), descending=True, stable=True).tolist()
     chosen: list[int] = []
     basis = torch.empty(0, candidates.shape[1], dtype=candidates.dtype, device=candidates.device)
     units = torch.empty_like(basis)
