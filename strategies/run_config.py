@@ -12,12 +12,37 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import TracebackType
 
 from flwr.app import ConfigRecord, UserConfigValue
 
 
 class RunConfigError(ValueError):
     """A run-config key or value is wrong; the message names the key and what is expected."""
+
+
+class AuditConfigError(RunConfigError):
+    """A :class:`RunConfigError` that Flower's log shows as one line, without a traceback.
+
+    Flower logs an exception that ends a ServerApp with the traceback read from its
+    ``__traceback__``; for a wrong key in the user's own configuration that is noise around the
+    one line that matters, so this error reads as having none (the interpreter still keeps it,
+    and Python's own uncaught-exception printer still shows it).
+    """
+
+    @property
+    def __traceback__(self) -> TracebackType | None:
+        """None: the message is the whole story."""
+        return None
+
+    @__traceback__.setter
+    def __traceback__(self, value: TracebackType | None) -> None:
+        """Ignored (see the class docstring)."""
+
+
+def one_line(error: RunConfigError) -> AuditConfigError:
+    """``error`` as an :class:`AuditConfigError` naming the audit configuration as its source."""
+    return AuditConfigError(f"fl-attack audit configuration: {error}")
 
 
 @dataclass(frozen=True)
