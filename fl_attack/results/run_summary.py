@@ -99,7 +99,7 @@ def run_summary_lines(
     if directory is None:
         lines.append("  Results: kept in memory only (no output directory).")
     elif report is not None:
-        lines.append(f"  Results: {directory} (report: {report}; figures: {report.with_suffix('.json')})")
+        lines.append(f"  Results: {directory} (report: {report}; summary: {report.with_suffix('.json')})")
     else:
         lines.append(f"  Results: {directory} (no report written; `fl-attack-report {directory}` writes one)")
     lines.extend(f"  {problem}" for problem in problems)
