@@ -28,7 +28,7 @@ from fl_attack.results.store import AttackRecord
 from .audit_end import finish_audit, training_history
 from .log_forwarding import forward_audit_log
 from .replies import strip_audit_records, to_client_update, training_replies
-from .run_config import RunConfigError, one_line
+from .run_config import one_line
 
 
 class HonestButCuriousStrategy(Strategy):
@@ -85,8 +85,9 @@ class HonestButCuriousStrategy(Strategy):
         ------
         TypeError
             If ``strategy`` is not a Message-API strategy.
-        strategies.run_config.RunConfigError
-            On an unknown audit key or a bad value.
+        strategies.run_config.AuditConfigError
+            On an unknown audit key (naming the closest valid one) or a bad value: a
+            :class:`~strategies.run_config.RunConfigError` that Flower's log shows as one line.
         """
         from .factory import build_auditor
 
@@ -104,7 +105,7 @@ class HonestButCuriousStrategy(Strategy):
             objects["scorer"] = FeatureScorer()
         try:
             auditor = build_auditor(context.run_config, settings, **objects)
-        except RunConfigError as error:
+        except ValueError as error:  # a wrong key or value (RunConfigError, an unknown attack): one line
             raise one_line(error) from None
         return cls(strategy, auditor)
 

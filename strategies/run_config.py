@@ -40,8 +40,8 @@ class AuditConfigError(RunConfigError):
         """Ignored (see the class docstring)."""
 
 
-def one_line(error: RunConfigError) -> AuditConfigError:
-    """``error`` as an :class:`AuditConfigError` naming the audit configuration as its source."""
+def one_line(error: Exception) -> AuditConfigError:
+    """``error`` (a wrong key or value) as an :class:`AuditConfigError` naming the audit configuration."""
     return AuditConfigError(f"fl-attack audit configuration: {error}")
 
 

@@ -24,7 +24,7 @@ from .audit_end import training_history, write_run_report
 from .evaluation import make_test_evaluator
 from .factory import build_auditor, build_store
 from .honest_but_curious import HonestButCuriousStrategy
-from .run_config import AUDIT_KEYS, client_config, resolve_run_config
+from .run_config import AUDIT_KEYS, RunConfigError, client_config, one_line, resolve_run_config
 from .run_control import AuditStopped, RunControl, StoppableGrid
 
 
@@ -179,7 +179,10 @@ def create_server_app(
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        config = resolve_run_config(context.run_config, overrides)
+        try:
+            config = resolve_run_config(context.run_config, overrides)
+        except RunConfigError as error:  # one line in Flower's log, not a traceback
+            raise one_line(error) from None
         log(INFO, "fl-attack ServerApp (working directory %s)", Path(os.getcwd()))
         if control is None:
             run_audit(grid, config)
