@@ -64,6 +64,7 @@ class HonestButCuriousStrategy(Strategy):
         self._history: dict[str, Any] | None = None
         self._completed = True
         self._closed = False
+        self._records_reported = 0
         forward_audit_log()
         # a strategy driven without start() and never closed still gets its report at exit
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -222,11 +223,13 @@ class HonestButCuriousStrategy(Strategy):
         return result
 
     def close(self) -> Path | None:
-        """End the audit once: wait for every queued attack, stop the workers, write the report, print the summary.
+        """End the audit: wait for every queued attack, stop the workers, write the report, print the summary.
 
-        :meth:`start` calls it after the last round; calling it again does nothing. A strategy
-        driven round by round without :meth:`start` should call it; if it is never called, it
-        runs when the Python process exits (too late for ``flwr run``'s log, in time for the report).
+        :meth:`start` calls it after the last round. Calling it again waits for attacks queued
+        since (the auditor stays usable), and writes the report and summary again only if new
+        attacks were recorded. A strategy driven round by round without :meth:`start` should call
+        it; if it is never called, it runs when the Python process exits (too late for
+        ``flwr run``'s log, in time for the report).
 
         Returns
         -------
@@ -234,10 +237,12 @@ class HonestButCuriousStrategy(Strategy):
             The ``report.html`` written (None: memory-only audit, stopped run, or a report that
             could not be written, which the summary says).
         """
-        if self._closed:
+        self.auditor.close()
+        if self._closed and len(self.auditor.records) == self._records_reported:
             return self.report
         self._closed = True
         self.report = finish_audit(self.auditor, history=self._history, completed=self._completed)
+        self._records_reported = len(self.auditor.records)
         return self.report
 
     # ---------------------------------------------------------------- evaluation
@@ -259,7 +264,10 @@ class HonestButCuriousStrategy(Strategy):
 
 def _close_at_exit(reference: weakref.ReferenceType[HonestButCuriousStrategy]) -> None:
     strategy = reference()
-    if strategy is not None and not strategy._closed:  # pylint: disable=protected-access
+    if strategy is None:
+        return
+    reported = strategy._closed and len(strategy.records) == strategy._records_reported  # pylint: disable=protected-access
+    if not reported:
         try:
             strategy.close()
         except Exception as error:  # pylint: disable=broad-exception-caught  # never fail an exiting process

@@ -191,6 +191,7 @@ class AuditedLegacyStrategy(LegacyStrategy):
         self.array_names = None if array_names is None else list(array_names)
         self._report: Path | None = None
         self._closed = False
+        self._records_reported = 0
 
     @classmethod
     def from_context(
@@ -238,17 +239,21 @@ class AuditedLegacyStrategy(LegacyStrategy):
         return f"AuditedLegacyStrategy({self.strategy!r})"
 
     def close(self) -> Path | None:
-        """End the audit once: wait for the queued attacks, stop the workers, write the report and
-        print the summary to the run's log (:func:`strategies.audit_end.finish_audit`).
+        """End the audit: wait for the queued attacks, stop the workers, write the report and print
+        the summary to the run's log (:func:`strategies.audit_end.finish_audit`); again only when
+        attacks were recorded since the last call.
 
         Returns
         -------
         Path or None
             The ``report.html`` written (None: memory-only audit, or a report that could not be written).
         """
-        if self._report is None and not self._closed:
-            self._closed = True
-            self._report = finish_audit(self.auditor, history=None)
+        self.auditor.close()  # waits for the queued attacks; the auditor stays usable
+        if self._closed and len(self.auditor.records) == self._records_reported:
+            return self._report
+        self._closed = True
+        self._report = finish_audit(self.auditor, history=None)
+        self._records_reported = len(self.auditor.records)
         return self._report
 
     def named_arrays(self, parameters: Parameters) -> dict[str, np.ndarray]:
