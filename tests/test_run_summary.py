@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fl_attack.results.run_summary import run_summary_lines
 from fl_attack.results.store import AttackRecord
 
 
-def _record(server_round: int, client: str, verdict: str, **fields: object) -> AttackRecord:
+def _record(server_round: int, client: str, verdict: str, **fields: Any) -> AttackRecord:
     return AttackRecord(
         server_round=server_round, client=client, status="ok", seconds=1.0, verdict=verdict, **fields
-    )  # type: ignore[arg-type]
+    )
 
 
 def test_verdicts_scores_fallback_and_results() -> None:
