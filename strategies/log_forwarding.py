@@ -17,10 +17,16 @@ AUDIT_LOGGER = "fl_attack"
 
 
 class _ToFlowerLogger(logging.Handler):
-    """Hand every record to Flower's logger (and so to its handlers)."""
+    """Hand every record to the handlers of Flower's logger (its console handler).
+
+    Only Flower's own handlers: the record still propagates to the root logger by itself, so
+    handing it to Flower's parents too would print it twice wherever the root has a handler.
+    """
 
     def emit(self, record: logging.LogRecord) -> None:
-        FLOWER_LOGGER.handle(record)
+        for handler in FLOWER_LOGGER.handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
 
 
 def forward_audit_log() -> None:
