@@ -19,7 +19,7 @@ def test_verdicts_scores_fallback_and_results() -> None:
     scored = {"kind": "features", "relative_error": [1e-9, 1e-9, 5.0]}
     records = [
         _record(1, "node-1", "exact"),
-        _record(1, "node-2", "not-applicable"),
+        _record(1, "node-2", "not-applicable", details={"fallback_skipped": "cocktail-party: no sources"}),
         _record(2, "node-1", "exact", quality=scored),
         _record(
             1,
@@ -43,7 +43,11 @@ def test_verdicts_scores_fallback_and_results() -> None:
         "2 at least approximately."
     )
     assert lines[3] == "  Approximate fallback (cocktail-party) on 1 update(s): 1 approximate."
-    assert lines[4] == f"  Results: {run} (report: {run / 'report.html'}; summary: {run / 'report.json'})"
+    assert (
+        lines[4]
+        == "  Approximate fallback not run on 1 update(s) where it could say nothing (first: cocktail-party: no sources)."
+    )
+    assert lines[5] == f"  Results: {run} (report: {run / 'report.html'}; summary: {run / 'report.json'})"
 
 
 def test_nothing_attacked_memory_only_and_problems() -> None:

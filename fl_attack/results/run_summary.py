@@ -96,6 +96,12 @@ def run_summary_lines(
         lines.append(
             f"  Approximate fallback ({', '.join(names)}) on {len(fallbacks)} update(s): {_counts(fallbacks)}."
         )
+    skipped = [record for record in primary if record.details.get("fallback_skipped")]
+    if skipped:
+        lines.append(
+            f"  Approximate fallback not run on {len(skipped)} update(s) where it could say nothing "
+            f"(first: {skipped[0].details['fallback_skipped']})."
+        )
     if directory is None:
         lines.append("  Results: kept in memory only (no output directory).")
     elif report is not None:
