@@ -19,6 +19,8 @@ STATUS_OUT_OF_MEMORY = "out-of-memory"
 STATUS_KILLED = "killed"
 #: The attack was never run: its queue was full and the queue policy dropped it.
 STATUS_DROPPED = "dropped"
+#: The attack was not run: the update's spectrum showed it cannot apply (verdict ``not-applicable``).
+STATUS_NOT_RUN = "not-run"
 
 STATUSES: tuple[str, ...] = (
     STATUS_OK,
@@ -27,6 +29,7 @@ STATUSES: tuple[str, ...] = (
     STATUS_OUT_OF_MEMORY,
     STATUS_KILLED,
     STATUS_DROPPED,
+    STATUS_NOT_RUN,
 )
 
 VERDICT_EXACT = "exact"

@@ -9,23 +9,26 @@ aggregate exactly what it would have aggregated without the audit.
 
 from __future__ import annotations
 
-import logging
+import atexit
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, UserConfigValue
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fl_attack.audit import Auditor, ClientUpdate
 from fl_attack.results.store import AttackRecord
 
+from .audit_end import finish_audit, training_history
+from .log_forwarding import forward_audit_log
 from .replies import strip_audit_records, to_client_update, training_replies
-
-logging.getLogger("fl_attack").setLevel(logging.INFO)
+from .run_config import one_line
 
 
 class HonestButCuriousStrategy(Strategy):
@@ -56,6 +59,15 @@ class HonestButCuriousStrategy(Strategy):
         #: Wall seconds of every round, from configure_train to the end of aggregate_train.
         self.round_seconds: dict[int, float] = {}
         self._round_started: dict[int, float] = {}
+        #: The report written when the audit ended (None before, or when none could be written).
+        self.report: Path | None = None
+        self._history: dict[str, Any] | None = None
+        self._completed = True
+        self._closed = False
+        self._records_reported = 0
+        forward_audit_log()
+        # a strategy driven without start() and never closed still gets its report at exit
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def from_context(
@@ -74,8 +86,9 @@ class HonestButCuriousStrategy(Strategy):
         ------
         TypeError
             If ``strategy`` is not a Message-API strategy.
-        strategies.run_config.RunConfigError
-            On an unknown audit key or a bad value.
+        strategies.run_config.AuditConfigError
+            On an unknown audit key (naming the closest valid one) or a bad value: a
+            :class:`~strategies.run_config.RunConfigError` that Flower's log shows as one line.
         """
         from .factory import build_auditor
 
@@ -91,7 +104,10 @@ class HonestButCuriousStrategy(Strategy):
             # the server of an arbitrary app knows no dataset: score the layer's inputs as
             # vectors (relative error) against what opted-in clients send
             objects["scorer"] = FeatureScorer()
-        auditor = build_auditor(context.run_config, settings, **objects)
+        try:
+            auditor = build_auditor(context.run_config, settings, **objects)
+        except ValueError as error:  # a wrong key or value (RunConfigError, an unknown attack): one line
+            raise one_line(error) from None
         return cls(strategy, auditor)
 
     @property
@@ -169,13 +185,65 @@ class HonestButCuriousStrategy(Strategy):
             self.round_seconds[server_round] = time.perf_counter() - self._round_started.pop(server_round)
         return aggregated
 
-    def close(self) -> None:
-        """Wait for every queued attack to finish, then stop the attack workers.
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run the rounds like any Flower strategy, then end the audit (:meth:`close`).
 
-        Call it after :meth:`start` (the ServerApp of this project does): with attack
-        workers, attacks run after aggregation, off the round's critical path.
+        After the last round the queued attacks are awaited, ``history.json``, ``report.html``
+        and ``report.json`` are written and the summary is printed to the run's log. When the
+        rounds raise (the run was stopped), the workers are stopped and no report is written.
+        """
+        try:
+            result = super().start(
+                grid=grid,
+                initial_arrays=initial_arrays,
+                num_rounds=num_rounds,
+                timeout=timeout,
+                train_config=train_config,
+                evaluate_config=evaluate_config,
+                evaluate_fn=evaluate_fn,
+            )
+        except BaseException:
+            self._completed = False
+            self.close()
+            raise
+        self._history = {
+            **training_history(result),
+            "round_seconds": {str(key): value for key, value in self.round_seconds.items()},
+        }
+        self.close()
+        return result
+
+    def close(self) -> Path | None:
+        """End the audit: wait for every queued attack, stop the workers, write the report, print the summary.
+
+        :meth:`start` calls it after the last round. Calling it again waits for attacks queued
+        since (the auditor stays usable), and writes the report and summary again only if new
+        attacks were recorded. A strategy driven round by round without :meth:`start` should call
+        it; if it is never called, it runs when the Python process exits (too late for
+        ``flwr run``'s log, in time for the report).
+
+        Returns
+        -------
+        Path or None
+            The ``report.html`` written (None: memory-only audit, stopped run, or a report that
+            could not be written, which the summary says).
         """
         self.auditor.close()
+        if self._closed and len(self.auditor.records) == self._records_reported:
+            return self.report
+        self._closed = True
+        self.report = finish_audit(self.auditor, history=self._history, completed=self._completed)
+        self._records_reported = len(self.auditor.records)
+        return self.report
 
     # ---------------------------------------------------------------- evaluation
 
@@ -192,3 +260,15 @@ class HonestButCuriousStrategy(Strategy):
     ) -> MetricRecord | None:
         """Aggregate MetricRecords in the received Messages."""
         return self.strategy.aggregate_evaluate(server_round, replies)
+
+
+def _close_at_exit(reference: weakref.ReferenceType[HonestButCuriousStrategy]) -> None:
+    strategy = reference()
+    if strategy is None:
+        return
+    reported = strategy._closed and len(strategy.records) == strategy._records_reported  # pylint: disable=protected-access
+    if not reported:
+        try:
+            strategy.close()
+        except Exception as error:  # pylint: disable=broad-exception-caught  # never fail an exiting process
+            log(WARNING, "The audit could not be closed at exit: %s: %s", type(error).__name__, error)

@@ -12,12 +12,38 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
 
 from flwr.app import ConfigRecord, UserConfigValue
 
 
 class RunConfigError(ValueError):
     """A run-config key or value is wrong; the message names the key and what is expected."""
+
+
+class AuditConfigError(RunConfigError):
+    """A :class:`RunConfigError` that Flower's log shows as one line, without a traceback.
+
+    Flower logs an exception that ends a ServerApp with the traceback read from its
+    ``__traceback__``; for a wrong key in the user's own configuration that is noise around the
+    one line that matters, so this error reads as having none (the interpreter still keeps it,
+    and Python's own uncaught-exception printer still shows it).
+    """
+
+    @property
+    def __traceback__(self) -> TracebackType | None:
+        """None: the message is the whole story."""
+        return None
+
+    @__traceback__.setter
+    def __traceback__(self, value: TracebackType | None) -> None:
+        """Ignored (see the class docstring)."""
+
+
+def one_line(error: Exception) -> AuditConfigError:
+    """``error`` (a wrong key or value) as an :class:`AuditConfigError` naming the audit configuration."""
+    return AuditConfigError(f"fl-attack audit configuration: {error}")
 
 
 @dataclass(frozen=True)
@@ -254,11 +280,65 @@ def _check(setting: Setting, value: UserConfigValue) -> None:
         raise RunConfigError(f"{key} must be at most {setting.maximum:g}, got {value!r}")
 
 
+#: A run-config key naming a TOML file of audit keys (one line in an app's pyproject instead of many).
+CONFIG_FILE_KEY = "attack-config"
+
+
+def audit_config_file(path: str) -> dict[str, UserConfigValue]:
+    """The audit keys of the TOML file ``path`` (top-level ``key = value`` lines).
+
+    Raises
+    ------
+    RunConfigError
+        When the file cannot be read or parsed, or holds a table or an unknown key (the
+        message names the file, the key and the closest valid one).
+    """
+    import tomllib  # pylint: disable=import-outside-toplevel
+
+    try:
+        document = tomllib.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as error:
+        raise RunConfigError(
+            f"{CONFIG_FILE_KEY} '{path}' cannot be read: {error.strerror or error}"
+        ) from None
+    except tomllib.TOMLDecodeError as error:
+        raise RunConfigError(f"{CONFIG_FILE_KEY} '{path}' is not valid TOML: {error}") from None
+    values: dict[str, UserConfigValue] = {}
+    for key, value in document.items():
+        if key not in AUDIT_KEYS:
+            raise RunConfigError(f"in {CONFIG_FILE_KEY} '{path}': {_unknown(key, AUDIT_KEYS)}")
+        if not isinstance(value, (bool, int, float, str)):
+            raise RunConfigError(
+                f"in {CONFIG_FILE_KEY} '{path}': {key} must be a number, a boolean or a string"
+            )
+        values[key] = value
+    return values
+
+
+def _expand_config_file(
+    sources: tuple[Mapping[str, UserConfigValue], ...],
+) -> tuple[Mapping[str, UserConfigValue], ...]:
+    """The sources with each ``attack-config`` file's keys just after the source that names it.
+
+    The file wins over the run config that names it: Flower's run config holds every key the app
+    declares, with its default, so it cannot tell a key set on purpose from a default.
+    """
+    expanded: list[Mapping[str, UserConfigValue]] = []
+    for source in sources:
+        path = source.get(CONFIG_FILE_KEY)
+        if path is not None and not isinstance(path, str):
+            raise RunConfigError(f"{CONFIG_FILE_KEY} must be the path of a TOML file, got {path!r}")
+        expanded.append({key: value for key, value in source.items() if key != CONFIG_FILE_KEY})
+        if path:
+            expanded.append(audit_config_file(path))
+    return tuple(expanded)
+
+
 def _merge(
     sources: tuple[Mapping[str, UserConfigValue], ...], keys: tuple[str, ...], *, strict_prefixes: bool
 ) -> dict[str, UserConfigValue]:
     merged = {key: DEFAULT_RUN_CONFIG[key] for key in keys}
-    for source in sources:
+    for source in _expand_config_file(sources):
         for key, value in source.items():
             if key in merged:
                 merged[key] = _coerce(SETTINGS_BY_KEY[key], value)
@@ -292,7 +372,9 @@ def resolve_audit_config(
     """The audit keys of any Flower app's run config, with defaults and ``overrides`` on top.
 
     The user's own keys are ignored, but a key that starts like an audit key
-    (:data:`AUDIT_PREFIXES`) and is not one is an error naming the closest key.
+    (:data:`AUDIT_PREFIXES`) and is not one is an error naming the closest key. ``attack-config``
+    names a TOML file of audit keys, which win over the same keys in the run config
+    (``overrides`` win over both).
     """
     return _merge((run_config, overrides or {}), AUDIT_KEYS, strict_prefixes=True)
 

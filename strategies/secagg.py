@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Context, UserConfigValue
@@ -59,6 +60,9 @@ from fl_attack.audit.protocol import (
 )
 from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.store import AttackRecord
+
+from .audit_end import finish_audit
+from .run_config import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +189,9 @@ class AuditedLegacyStrategy(LegacyStrategy):
         self.strategy = strategy
         self.auditor = auditor
         self.array_names = None if array_names is None else list(array_names)
+        self._report: Path | None = None
+        self._closed = False
+        self._records_reported = 0
 
     @classmethod
     def from_context(
@@ -216,7 +223,10 @@ class AuditedLegacyStrategy(LegacyStrategy):
 
         _check_legacy(strategy)
         settings = {key.replace("_", "-"): value for key, value in overrides.items()}
-        auditor = build_auditor(context.run_config, settings, scorer=scorer, attacker=attacker)
+        try:
+            auditor = build_auditor(context.run_config, settings, scorer=scorer, attacker=attacker)
+        except ValueError as error:  # a wrong key or value: one line in Flower's log
+            raise one_line(error) from None
         return cls(strategy, auditor, array_names=array_names)
 
     @property
@@ -228,9 +238,23 @@ class AuditedLegacyStrategy(LegacyStrategy):
         """Compute a string representation of the strategy."""
         return f"AuditedLegacyStrategy({self.strategy!r})"
 
-    def close(self) -> None:
-        """Wait for every queued attack to finish, then stop the attack workers."""
-        self.auditor.close()
+    def close(self) -> Path | None:
+        """End the audit: wait for the queued attacks, stop the workers, write the report and print
+        the summary to the run's log (:func:`strategies.audit_end.finish_audit`); again only when
+        attacks were recorded since the last call.
+
+        Returns
+        -------
+        Path or None
+            The ``report.html`` written (None: memory-only audit, or a report that could not be written).
+        """
+        self.auditor.close()  # waits for the queued attacks; the auditor stays usable
+        if self._closed and len(self.auditor.records) == self._records_reported:
+            return self._report
+        self._closed = True
+        self._report = finish_audit(self.auditor, history=None)
+        self._records_reported = len(self.auditor.records)
+        return self._report
 
     def named_arrays(self, parameters: Parameters) -> dict[str, np.ndarray]:
         """The ``Parameters`` as named numpy arrays (names: ``array_names`` or positional).

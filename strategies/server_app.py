@@ -12,7 +12,6 @@ import os
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
 
 from flwr.app import ArrayRecord, Context, UserConfigValue
 from flwr.serverapp import Grid, ServerApp
@@ -20,12 +19,12 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from fl_attack.evaluation.scoring import ReconstructionScorer
-from fl_attack.results.store import ReconstructionStore
 
+from .audit_end import training_history, write_run_report
 from .evaluation import make_test_evaluator
 from .factory import build_auditor, build_store
 from .honest_but_curious import HonestButCuriousStrategy
-from .run_config import AUDIT_KEYS, client_config, resolve_run_config
+from .run_config import AUDIT_KEYS, RunConfigError, client_config, one_line, resolve_run_config
 from .run_control import AuditStopped, RunControl, StoppableGrid
 
 
@@ -129,26 +128,17 @@ def run_audit(
         if control is not None:
             control.register(store)
 
-    try:
-        result = strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(model.state_dict()),
-            num_rounds=int(config["num-server-rounds"]),
-            train_config=client_config(config),
-            evaluate_config=client_config(config),
-            evaluate_fn=evaluate_fn,
-        )
-    finally:
-        if isinstance(strategy, HonestButCuriousStrategy):
-            strategy.close()
-    if store is not None:
-        history = training_history(result)
-        if isinstance(strategy, HonestButCuriousStrategy):
-            history["round_seconds"] = {str(key): value for key, value in strategy.round_seconds.items()}
-        store.save_history(history)
-        _write_report(store)
+    # the wrapper ends the audit after the last round: history, report.html / report.json and
+    # the summary in the run's log (strategies.audit_end)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=int(config["num-server-rounds"]),
+        train_config=client_config(config),
+        evaluate_config=client_config(config),
+        evaluate_fn=evaluate_fn,
+    )
     if isinstance(strategy, HonestButCuriousStrategy):
-        _log_audit(strategy)
         failures = strategy.auditor.store_failures
         if failures:
             raise AuditStoreError(
@@ -158,68 +148,13 @@ def run_audit(
     return result, strategy
 
 
+#: Kept for callers of the former name.
+_write_report = write_run_report
+__all__ = ["app", "build_strategy", "create_server_app", "run_audit", "training_history"]
+
+
 class AuditStoreError(RuntimeError):
     """Some attack results could not be written (a full disk, a file-size limit)."""
-
-
-def _write_report(store: ReconstructionStore) -> Path | None:
-    """Write ``<run>/report.html``; a failure is logged and never ends the run; a closed store gets none."""
-    if store.closed:  # the run was stopped: its results are incomplete
-        return None
-    try:
-        from fl_attack.results.report import write_report  # pylint: disable=import-outside-toplevel
-
-        path = write_report(store.directory)
-    except Exception as error:  # pylint: disable=broad-exception-caught
-        log(WARNING, "Could not write the audit report: %s: %s", type(error).__name__, error)
-        return None
-    log(INFO, "Audit report: %s", path)
-    return path
-
-
-def training_history(result: Result) -> dict[str, Any]:
-    """Per-round metrics of a finished run, as stored in ``history.json``.
-
-    ``train`` and ``evaluate`` are the clients' aggregated metrics, ``test`` the
-    centralized test-split metrics (round 0 is the initial model); ``final`` repeats the
-    last round's test metrics, the utility side of a privacy-utility trade-off.
-    """
-    sources = {
-        "train": result.train_metrics_clientapp,
-        "evaluate": result.evaluate_metrics_clientapp,
-        "test": result.evaluate_metrics_serverapp,
-    }
-    rounds = sorted({int(key) for source in sources.values() for key in source})
-    history = [
-        {
-            "round": server_round,
-            **{
-                name: dict(source[server_round]) if server_round in source else None
-                for name, source in sources.items()
-            },
-        }
-        for server_round in rounds
-    ]
-    tested = [entry for entry in history if entry["test"] is not None]
-    return {"rounds": history, "final_test": tested[-1]["test"] if tested else None}
-
-
-def _log_audit(strategy: HonestButCuriousStrategy) -> None:
-    log(INFO, "Audit: %d attacks", len(strategy.records))
-    for record in strategy.records:
-        quality = record.quality
-        if record.status != "ok":
-            outcome = f"{record.status}: {record.error}"
-        elif "mean_psnr" in quality:
-            outcome = (
-                f"mean PSNR {quality['mean_psnr']:.1f} dB, "
-                f"{100.0 * quality.get('exact_fraction', 0.0):.0f}% exact"
-            )
-        else:
-            outcome = f"{0 if record.inputs is None else len(record.inputs)} inputs (not scored)"
-        log(INFO, "\tround %d %s: %s (%.1fs)", record.server_round, record.client, outcome, record.seconds)
-    if strategy.auditor.store is not None:
-        log(INFO, "Audit table: %s", strategy.auditor.store.table_path)
 
 
 def create_server_app(
@@ -244,7 +179,10 @@ def create_server_app(
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        config = resolve_run_config(context.run_config, overrides)
+        try:
+            config = resolve_run_config(context.run_config, overrides)
+        except RunConfigError as error:  # one line in Flower's log, not a traceback
+            raise one_line(error) from None
         log(INFO, "fl-attack ServerApp (working directory %s)", Path(os.getcwd()))
         if control is None:
             run_audit(grid, config)

@@ -157,3 +157,59 @@ def add_verdicts(run_dir: Path, verdicts: Mapping[tuple[int, str], Mapping[str, 
     writer.writeheader()
     writer.writerows(rows)
     table.write_text(text.getvalue(), encoding="utf-8")
+
+
+#: Verdicts of a user-shaped run (no ground truth): two exact, one timeout with every sample found
+#: but blended look-alikes, one timeout short of samples, two updates the spectrum ruled out.
+USER_SHAPED_VERDICTS: dict[tuple[int, str], dict[str, Any]] = {
+    (1, "node-1"): {"verdict": "exact", "verdict_reason": "all 8 samples recovered; the self-check passed"},
+    (1, "node-2"): {
+        "verdict": "timeout",
+        "verdict_reason": "the attack spent its whole 30 s budget: all 8 directions were found but not "
+        "verified as the batch: every direction is consistent with both ends of the client's local steps, "
+        "which one layer's update cannot tell from a blend of look-alike samples",
+    },
+    (2, "node-1"): {"verdict": "exact", "verdict_reason": "all 8 samples recovered; the self-check passed"},
+    (2, "node-2"): {
+        "verdict": "timeout",
+        "verdict_reason": "the attack spent its whole 30 s budget with 3 of 8 samples found",
+    },
+    **{
+        (server_round, "node-3"): {
+            "verdict": "not-applicable",
+            "verdict_reason": "the update has no low-rank structure (rank close to min(m, n) = 120): it is "
+            "not one gradient of a small batch",
+        }
+        for server_round in (1, 2)
+    },
+}
+
+
+def user_shaped_run(base: Path) -> Path:
+    """A run as a user's own app leaves it: features of a CNN's fc1, no ground truth, no history,
+    two updates of many local steps that the spectrum ruled out before attacking."""
+    store = ReconstructionStore(base / "run", run_config={"attack-time-budget": 30.0, "output-dir": ""})
+    rng = np.random.default_rng(0)
+    for server_round in (1, 2):
+        for client in ("node-1", "node-2"):
+            store.save(
+                AttackRecord(
+                    server_round=server_round,
+                    client=client,
+                    status="ok",
+                    seconds=2.0,
+                    inputs=np.abs(rng.normal(size=(8, 400))),
+                    attack={"batch_size": 8, "complete": True},
+                    input_space="features",
+                )  # fmt: skip
+            )
+        store.save(
+            AttackRecord(
+                server_round=server_round, client="node-3", status="not-run", seconds=0.05,
+                input_space="features",
+                details={"fallback_skipped": "cocktail-party: the update's spectrum shows no batch of per-sample "
+                         "gradients (see the verdict), so there are no sources to unmix"},
+            )
+        )  # fmt: skip
+    add_verdicts(store.directory, USER_SHAPED_VERDICTS)
+    return store.directory

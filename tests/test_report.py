@@ -31,8 +31,8 @@ from tests.report_runs import add_verdicts, images, make_run, ok_record, simple_
 
 DATA_PREFIX = "data:image/png;base64,"
 FIXTURE_SENTENCE = (
-    "The server recovered 43% of the 7 scored client samples exactly in every round and 57% at least "
-    "approximately; DP-SGD (noise multiplier 0.5, clipping norm 2) was on."
+    "The server recovered 43% of the 7 scored client samples exactly (round 1: 50%, round 2: 33%) and 57% "
+    "at least approximately; DP-SGD (noise multiplier 0.5, clipping norm 2) was on."
 )
 
 
@@ -244,7 +244,8 @@ def test_recommendations(reported: tuple[Path, Path], tmp_path: Path) -> None:
 
     quiet = write_report(simple_run(tmp_path, {"train-mode": "fedsgd"}, [[10.0, 5.0]])).read_text("utf-8")
     section = _section(quiet, "recommendations")
-    assert "Recovery is already below 1% in this run" in section and "<table" not in section
+    assert "Recovery is already below 1% of the scored client samples in this run" in section
+    assert "no further defense" in section and "<table" not in section
 
 
 def test_text_is_escaped(reported: tuple[Path, Path]) -> None:
@@ -320,7 +321,8 @@ def test_run_without_successful_attacks(tmp_path: Path, failed: bool) -> None:
     assert "No run_config.json in this run." in text
     if failed:
         assert "Scores are unavailable" in text and "all-zero gradient" in text
-        assert "No client sample was recovered: none of the 1 attacks produced a reconstruction" in text
+        assert "The server reconstructed none of the 1 attacked client updates (1 failed)" in text
+        assert "not that they are safe" in text and "no further defense" not in text
     else:
         assert "No client update was attacked in this run" in text
         assert "Nothing was attacked, so nothing is recommended." in text

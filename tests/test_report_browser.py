@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import pytest
 from PIL import Image
 
 from fl_attack.results.report import SUMMARY_FILE, load_summary, write_report
-from tests.report_runs import make_run
+from tests.report_runs import make_run, user_shaped_run
 
 WINDOW = (1200, 2000)
 #: Colour of the verdict box's border (#08519c).
@@ -106,6 +107,13 @@ def test_dom_has_the_verdict_and_every_image_loads(report: Path, tmp_path: Path)
     assert f'<p class="sentence">{html.escape(sentence, quote=False)}</p>' in verdict.group(1)
     assert (report.parent / SUMMARY_FILE).is_file()
 
+    count, broken, rendered = _images_in_browser(report, tmp_path)
+    assert count == report.read_text(encoding="utf-8").count("<img ") == 17
+    assert broken == 0 and rendered == count
+
+
+def _images_in_browser(report: Path, tmp_path: Path) -> tuple[int, int, int]:
+    """Images of the page, those the browser could not decode, and those it drew with a size."""
     # Test-only copy: allow one inline script (images stay restricted to data: URLs by the
     # report's own Content-Security-Policy) to count the images the browser decoded.
     text = report.read_text(encoding="utf-8")
@@ -117,7 +125,45 @@ def test_dom_has_the_verdict_and_every_image_loads(report: Path, tmp_path: Path)
     match = re.search(r"IMAGES=(\d+) BROKEN=(\d+) RENDERED=(\d+)", result.stdout)
     assert match, f"no render check in the DOM (rc {result.returncode}): {result.stderr[-2000:]}"
     count, broken, rendered = (int(value) for value in match.groups())
-    assert count == text.count("<img ") == 17
+    return count, broken, rendered
+
+
+def _section(dom: str, name: str) -> str:
+    found = re.search(rf'<section id="{name}">(.*?)</section>', dom, flags=re.S)
+    assert found, f"no {name} section in the DOM"
+    return found.group(1)
+
+
+@pytest.fixture(scope="module")
+def user_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The report of a user-shaped run: a CNN's fc1 features, no ground truth, no history."""
+    return write_report(user_shaped_run(tmp_path_factory.mktemp("user-shaped")))
+
+
+def test_a_user_shaped_report_states_only_what_its_verdicts_show(user_report: Path, tmp_path: Path) -> None:
+    """Without ground truth the page's headline, advice and recommendations match report.json."""
+    summary = json.loads((user_report.parent / SUMMARY_FILE).read_text(encoding="utf-8"))
+    dom = _chromium(user_report, tmp_path / "plain", "--dump-dom")
+    assert '<section id="verdict">' in dom.stdout, f"no DOM (rc {dom.returncode}): {dom.stderr[-2000:]}"
+    verdict = _section(dom.stdout, "verdict")
+    sentence = re.search(r'<p class="sentence">(.*?)</p>', verdict, flags=re.S)
+    assert sentence and html.unescape(sentence.group(1)) == summary["verdict_sentence"]
+    counted = re.search(r"(\d+) of (\d+) client updates", summary["verdict_sentence"])
+    assert counted and (int(counted.group(1)), int(counted.group(2))) == (
+        summary["verdict_counts"]["exact"],
+        summary["attacks"],
+    )
+    assert "by the server's own check" in summary["verdict_sentence"]
+    assert "Scores are unavailable" in verdict
+    recommendation = _section(dom.stdout, "recommendations")
+    assert "no further defense" not in recommendation
+    assert html.escape(summary["recommendations"]["message"], quote=False) in recommendation
+    verdicts = _section(dom.stdout, "verdicts")
+    for advice in summary["verdict_advice"].values():
+        assert html.escape(advice, quote=False) in verdicts
+    assert "a larger time budget is unlikely to settle these" in verdicts
+    count, broken, rendered = _images_in_browser(user_report, tmp_path)
+    assert count == user_report.read_text(encoding="utf-8").count("<img ") and count >= 1
     assert broken == 0 and rendered == count
 
 

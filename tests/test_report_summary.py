@@ -12,11 +12,11 @@ import pytest
 
 from fl_attack.results.report import SUMMARY_FILE, NotARunDirectoryError, load_summary, write_report
 from fl_attack.results.report.formatting import percent, share_text
-from fl_attack.results.report.recommendations import measured_defenses, recommendations
+from fl_attack.results.report.recommendations import Evidence, measured_defenses, recommendations
 from fl_attack.results.report.settings import active_defenses, dp_budget, local_steps, relevant_settings
 from fl_attack.results.report.verdicts import derive_verdict
 from fl_attack.results.store import AttackRecord, ReconstructionStore
-from tests.report_runs import add_verdicts, images, make_run, ok_record, simple_run
+from tests.report_runs import add_verdicts, images, make_run, ok_record, simple_run, user_shaped_run
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -87,8 +87,8 @@ def test_summary_with_recorded_verdicts_and_no_scores(tmp_path: Path) -> None:
     assert summary["exact_sample_share"] is None and summary["scored_samples"] == 0
     assert summary["exact_attack_share"] == pytest.approx(2 / 3) and summary["verdicts_derived"] == 0
     assert summary["verdict_sentence"] == (
-        "Without ground truth, the attack's self-check confirms exact recovery of 2 of 3 client updates "
-        "(67%) and 0 more were recovered approximately; no defense was on."
+        "No ground truth was scored, so leakage is stated from the verdicts: 2 of 3 client updates (67%) were "
+        "reconstructed exactly by the server's own check (2 exact, 1 not-applicable); no defense was on."
     )
     assert summary["recommendations"]["status"] == "shown"
 
@@ -147,8 +147,8 @@ FEDAVG_SECAGG = {
         ({"train-mode": "fedsgd"}, [[100.0, 10.0]],
          "The server recovered 50% of the 2 scored client samples exactly in round 1; no defense was on."),
         (FEDAVG_SECAGG, [[100.0, 100.0], [10.0, 30.0]],
-         "The server recovered 50% of the 4 scored client samples exactly in 1 of 2 rounds and 75% at least "
-         "approximately; secure aggregation over groups of 3 clients and FedAvg with 4 local steps per round "
+         "The server recovered 50% of the 4 scored client samples exactly (round 1: 100%, round 2: 0%) and 75% "
+         "at least approximately; secure aggregation over groups of 3 clients and FedAvg with 4 local steps per round "
          "(2 epoch(s) over mini-batches of 8) were on."),
         ({"train-mode": "fedsgd"}, [[30.0, 10.0]],
          "The server recovered none of the 2 scored client samples exactly, but 50% approximately; "
@@ -236,12 +236,19 @@ def test_settings_and_defenses_from_config() -> None:
     assert dp_budget({**dp, "dp-epsilon": "inf"}, None) is not None
 
 
-def test_recommendations_relevant_to_what_leaked() -> None:
-    assert recommendations(config=None, leaked_share=None)["status"] == "not-attacked"
-    quiet = recommendations(config={"train-mode": "fedsgd"}, leaked_share=0.009)
-    assert quiet["status"] == "below-target" and quiet["rows"] == []
+def _evidence(share: float, *, basis: str = "samples", applied: int = 4) -> Evidence:
+    return Evidence(
+        leaked_share=share, basis=basis, applied=applied, attacks=4, verdicts={"exact": 3, "failed": 1}
+    )
 
-    open_run = recommendations(config={"train-mode": "fedsgd"}, leaked_share=0.94)
+
+def test_recommendations_relevant_to_what_leaked() -> None:
+    assert recommendations(config=None, evidence=None)["status"] == "not-attacked"
+    quiet = recommendations(config={"train-mode": "fedsgd"}, evidence=_evidence(0.009))
+    assert quiet["status"] == "below-target" and quiet["rows"] == []
+    assert "no further defense" in quiet["message"]
+
+    open_run = recommendations(config={"train-mode": "fedsgd"}, evidence=_evidence(0.94))
     rows = [(row["parameter"], row["value"], row["stops"]) for row in open_run["rows"]]
     assert rows == [
         ("noise-multiplier", "0.01", True), ("noise-multiplier", "0.1", True),
@@ -260,12 +267,13 @@ def test_recommendations_relevant_to_what_leaked() -> None:
     assert open_run["rows"][3]["recovery"] == "46% of 96 scored samples recovered exactly, 70% approximately"
 
     strongest = recommendations(
-        config={"train-mode": "dpsgd", "noise-multiplier": 1.0, "secagg-group-size": 3}, leaked_share=0.2
+        config={"train-mode": "dpsgd", "noise-multiplier": 1.0, "secagg-group-size": 3},
+        evidence=_evidence(0.2),
     )
     assert strongest["rows"] == []
     assert strongest["beyond_measured"] == ["DP-SGD noise multiplier", "secure-aggregation group size"]
 
-    fedavg = recommendations(config={"train-mode": "fedavg"}, leaked_share=0.5)
+    fedavg = recommendations(config={"train-mode": "fedavg"}, evidence=_evidence(0.5))
     assert [finding["text"] for finding in fedavg["local_steps"]] == [
         "per batch, 68% / 59% / 96% of the samples recovered exactly and 100% / 100% / 100% approximately",
         "per batch, 100% / 0% / 100% of the samples recovered exactly and 100% / 10% / 100% approximately",
@@ -300,3 +308,59 @@ def test_measured_defenses_are_copied_from_their_source_files() -> None:
         assert len(rows) == 1, (source, entry["match"])
         for key, value in entry["values"].items():
             assert _equal(value, rows[0][key]), (source, entry["match"], key, value, rows[0][key])
+
+
+def test_a_user_shaped_run_is_stated_from_its_verdicts(tmp_path: Path) -> None:
+    """No ground truth: the headline, the advice and the recommendations say only what the verdicts show."""
+    run = user_shaped_run(tmp_path)
+    write_report(run)
+    summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
+    counts = summary["verdict_counts"]
+    assert (summary["attacks"], counts["exact"], counts["timeout"], counts["not-applicable"]) == (6, 2, 2, 2)
+    assert summary["failed_attacks"] == 0 and summary["scored_samples"] == 0
+    assert summary["verdict_sentence"] == (
+        "No ground truth was scored, so leakage is stated from the verdicts: 2 of 6 client updates (33%) were "
+        "reconstructed exactly by the server's own check (2 exact, 2 not-applicable, 2 timeout); no defense was on."
+    )
+    advice = summary["verdict_advice"]
+    assert advice["timeout"] == (
+        "1 of them had every sample found but not confirmed (near-identical samples, or a self-check that "
+        "failed; see each reason): a larger time budget is unlikely to settle these, treat them as leaking "
+        "approximately; 1 ran out of time before finding the batch: raise attack-time-budget (the batch was "
+        "not shown safe)"
+    )
+    assert advice["not-applicable"].startswith("the exact attack cannot invert these updates")
+    recommendation = summary["recommendations"]
+    assert recommendation["status"] == "shown" and "no further defense" not in recommendation["message"]
+    assert recommendation["message"].startswith(
+        "In this run the server's own check reconstructed 33% of the 6 attacked updates at least approximately"
+    )
+    assert [item["client"] for item in summary["fallback_skipped"]] == ["node-3", "node-3"]
+
+
+@pytest.mark.parametrize(
+    ("evidence", "status"),
+    [
+        (Evidence(leaked_share=0.0, basis="verdicts", applied=3, attacks=3, verdicts={"failed": 3}), "no-evidence"),
+        (Evidence(leaked_share=0.0, basis="samples", applied=0, attacks=2, verdicts={"not-applicable": 2}),
+         "no-evidence"),
+        (Evidence(leaked_share=0.0, basis="samples", applied=2, attacks=2, verdicts={"failed": 2}), "below-target"),
+    ],
+)  # fmt: skip
+def test_no_further_defense_needs_an_attack_that_could_have_recovered(
+    evidence: Evidence, status: str
+) -> None:
+    result = recommendations(config={"train-mode": "fedsgd"}, evidence=evidence)
+    assert result["status"] == status
+    assert ("no further defense" in result["message"]) == (status == "below-target")
+    if status == "no-evidence":
+        assert "no evidence that the data is safe" in result["message"] and result["rows"] == []
+
+
+def test_many_rounds_name_the_range_of_their_exact_shares(tmp_path: Path) -> None:
+    psnr = [[150.0, 150.0], [150.0, 10.0], [150.0, 150.0], [10.0, 10.0], [150.0, 150.0]]
+    summary = load_summary(simple_run(tmp_path, {"train-mode": "fedsgd"}, psnr))
+    assert summary["verdict_sentence"] == (
+        "The server recovered 70% of the 10 scored client samples exactly in 4 of 5 rounds (from 0% to 100% per "
+        "round); no defense was on."
+    )

@@ -198,3 +198,23 @@ def test_the_default_apps_strategy_gives_its_full_batch_steps_to_the_attack(tmp_
     assert isinstance(strategy, HonestButCuriousStrategy)
     assert getattr(strategy.auditor.attacker, "local_steps", None) == 10
     strategy.close()
+
+
+def test_an_attack_config_file_sets_the_audit_keys(tmp_path: Path) -> None:
+    """One key in the app's pyproject, every audit setting in a file; a typo there names the file."""
+    settings = tmp_path / "audit.toml"
+    settings.write_text('attack-time-budget = 60.0\nattack-fallback = ""\n', encoding="utf-8")
+    run_config = {"attack-config": str(settings), "attack-time-budget": 30.0, "lr": 0.1}
+    resolved = resolve_audit_config(run_config)
+    assert resolved["attack-time-budget"] == 60.0 and resolved["attack-fallback"] == ""
+    assert resolve_audit_config(run_config, {"attack-time-budget": 5.0})["attack-time-budget"] == 5.0
+    assert resolve_audit_config({"attack-config": ""})["attack-time-budget"] == 30.0
+    settings.write_text("attack-time-budgt = 60.0\n", encoding="utf-8")
+    with pytest.raises(
+        RunConfigError,
+        match=rf"in attack-config '{settings}': unknown run-config key 'attack-time-budgt'; "
+        "did you mean 'attack-time-budget'",
+    ):
+        resolve_audit_config(run_config)
+    with pytest.raises(RunConfigError, match="attack-config '.*missing.toml' cannot be read"):
+        resolve_audit_config({"attack-config": str(tmp_path / "missing.toml")})

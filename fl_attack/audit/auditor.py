@@ -21,7 +21,14 @@ import numpy as np
 from fl_attack.results.store import AttackRecord, ReconstructionStore
 from fl_attack.simulate.secagg import SecAggPlusQuantization
 from fl_attack.validation import check_batch_size, check_time_budget
-from fl_attack.vocabulary import STATUS_DROPPED, STATUS_ERROR, STATUS_OK, VERDICT_DROPPED
+from fl_attack.vocabulary import (
+    STATUS_DROPPED,
+    STATUS_ERROR,
+    STATUS_NOT_RUN,
+    STATUS_OK,
+    VERDICT_DROPPED,
+    VERDICT_NOT_APPLICABLE,
+)
 
 from .fallback import build_fallback
 from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, select_layer
@@ -31,6 +38,7 @@ from .pool import AttackPool
 from .prepare import GlobalLayer, finite_layer, prepare_unit, round_layer
 from .selection import select_units
 from .signature import UpdateSignature, magnitude_concentration, update_signature
+from .spectrum_check import SpectrumRuling, ruled_out_by_spectrum, spectrum_guided
 from .spill import SPILL_FOLDER, QueueSpill
 from .units import (
     Prepared,
@@ -156,6 +164,8 @@ class Auditor:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
         self.attacker = attacker
+        #: SPEAR-family attackers: an update whose spectrum rules them out is not attacked.
+        self._spectrum_guided = spectrum_guided(attacker)
         self.fallback = build_fallback(fallback, seed=seed, time_budget=time_budget)
         self.isolation, self.priority = isolation, priority
         self.backend = backend
@@ -234,7 +244,8 @@ class Auditor:
                 produced.append(self._keep(prepared))
             elif self.pool is None:
                 prepared = prepared.materialized()
-                produced.append(self._keep(self._run_job(prepared, time.time())))
+                record = self.fallback.annotate(self, prepared, self._run_job(prepared, time.time()))
+                produced.append(self._keep(record))
                 produced.extend(self.fallback.run(self, prepared, produced[-1]))
             else:
                 self.pool.submit(
@@ -288,7 +299,7 @@ class Auditor:
                 f"audit failed: {type(error).__name__}: {error}",
                 None,
             )
-        self.fallback.run(self, prepared, self._keep(record))
+        self.fallback.run(self, prepared, self._keep(self.fallback.annotate(self, prepared, record)))
         del prepared, record
         # queued updates are freed in the order attacks finish: give their pages back
         release_freed_memory()
@@ -362,14 +373,29 @@ class Auditor:
         server_round, members, delta = prepared.server_round, prepared.members, prepared.delta
         batch_size = None if self.batch_size is None else self.batch_size * len(members)
         started_at = time.time()
-        result = (runner or self.runner).run(
-            delta, batch_size=batch_size, time_budget=self.time_budget, timeout=self.timeout
-        )
+        signature: Callable[[], UpdateSignature] = functools.cache(
+            functools.partial(update_signature, delta.weight_delta)
+        )  # computed once, and only when needed
+        ruled_out = self._ruled_out(delta, members, signature) if batch_size is None else None
+        if ruled_out is not None:
+            result = AttackResult(STATUS_NOT_RUN, None, time.time() - started_at, None)
+            verdict = Verdict(VERDICT_NOT_APPLICABLE, ruled_out.reason)
+        else:
+            result = (runner or self.runner).run(
+                delta, batch_size=batch_size, time_budget=self.time_budget, timeout=self.timeout
+            )
         finished_at = time.time()
         summary = {"attack": getattr(self.attacker, "name", None), **attack_summary(result)}
-        verdict = self._verdict(result, summary, delta, members)
+        if ruled_out is not None:
+            summary["low_rank"] = ruled_out.low_rank
+            if ruled_out.batch_size is not None:
+                summary["batch_size"] = (
+                    ruled_out.batch_size
+                )  # the spectrum's estimate, as the attack's would be
+        if ruled_out is None:
+            verdict = self._verdict(result, summary, delta, members, signature)
         name = unit_name(members)
-        level = logging.INFO if result.status == STATUS_OK else logging.WARNING
+        level = logging.INFO if result.status in (STATUS_OK, STATUS_NOT_RUN) else logging.WARNING
         logger.log(
             level, "Attack on %s in round %s: %s (%s)", name, server_round, verdict.verdict, verdict.reason
         )
@@ -416,12 +442,31 @@ class Auditor:
             psnr=None if scored is None else scored.psnr,
         )
 
+    def _ruled_out(
+        self, delta: LayerDelta, members: list[ClientUpdate], signature: Callable[[], UpdateSignature]
+    ) -> SpectrumRuling | None:
+        """What the spectrum says of an update it rules out (:mod:`.spectrum_check`), or None."""
+        if not self._spectrum_guided:
+            return None
+        modes = {member.train_mode for member in members if member.train_mode}
+        try:
+            return ruled_out_by_spectrum(
+                delta,
+                signature=signature,
+                train_mode=modes.pop() if len(modes) == 1 else None,
+                num_examples=total_examples(members),
+            )
+        except ValueError:  # an update the check cannot read: the attack reports it
+            return None
+
     def _verdict(
-        self, result: AttackResult, summary: Mapping[str, Any], delta: LayerDelta, members: list[ClientUpdate]
+        self,
+        result: AttackResult,
+        summary: Mapping[str, Any],
+        delta: LayerDelta,
+        members: list[ClientUpdate],
+        signature: Callable[[], UpdateSignature],
     ) -> Verdict:
-        signature: Callable[[], UpdateSignature] = functools.cache(
-            functools.partial(update_signature, delta.weight_delta)
-        )  # computed once, and only when the verdict needs it
         modes = {member.train_mode for member in members if member.train_mode}
         return decide_verdict(
             status=result.status,

@@ -8,11 +8,15 @@ and client, ``attack = <fallback name>``, verdict ``approximate`` when it return
 ``failed`` otherwise, never ``exact``. It is scored by the auditor's scorer like any attack.
 
 An update with nothing to unmix gets no fallback: one the exact attack recovered exactly, a
-dropped or unreadable one (never attacked), and an all-zero one.
+dropped or unreadable one (never attacked), an all-zero one, one whose spectrum already ruled
+the exact attack out (no batch of per-sample gradients in it), and one with more samples than
+ICA can separate from the layer (``min(m, n)``); the last two say so in the exact attack's
+record (``details["fallback_skipped"]``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +28,7 @@ import numpy as np
 from fl_attack.results.store import AttackRecord
 from fl_attack.vocabulary import (
     STATUS_ERROR,
+    STATUS_NOT_RUN,
     STATUS_OK,
     VERDICT_APPROXIMATE,
     VERDICT_FAILED,
@@ -104,9 +109,51 @@ class AttackFallback:
             return f"the exact attack's verdict is {primary.verdict}"
         if primary.attack.get("attack") == self.name:
             return f"the exact attack already is {self.name}"
-        if not np.any(prepared.delta.weight_delta):
+        if primary.status == STATUS_NOT_RUN and primary.attack.get("low_rank") is False:
+            return (
+                "the update's spectrum shows no batch of per-sample gradients (see the verdict), so there "
+                "are no sources to unmix"
+            )
+        weight_delta = prepared.delta.weight_delta
+        if not np.any(weight_delta):
             return "the update of the attacked layer is zero"
         return None
+
+    def applicability(self, auditor: Auditor, prepared: Prepared, primary: AttackRecord) -> str | None:
+        """Why the fallback cannot say anything about this unit (it is not run), or None when it can.
+
+        Beyond :meth:`skip_reason`: ICA separates at most ``min(m, n)`` sources of an ``(m, n)``
+        update, so a batch larger than that (e.g. the example count of many local steps) is left alone.
+        """
+        reason = self.skip_reason(prepared, primary)
+        if reason is not None:
+            return reason
+        m, n = prepared.delta.weight_delta.shape
+        sources = self.batch_size(auditor, prepared, primary)
+        if sources is not None and sources > min(m, n):
+            return (
+                f"{sources} samples cannot be unmixed from a {m} x {n} layer update (at most min(m, n) = "
+                f"{min(m, n)} sources)"
+            )
+        return None
+
+    def annotate(self, auditor: Auditor, prepared: Prepared, primary: AttackRecord) -> AttackRecord:
+        """``primary`` with ``details["fallback_skipped"]`` saying why the fallback does not run, when
+        it would have run after this verdict but cannot say anything here (:meth:`applicability`)."""
+        if self.attacker is None or primary.verdict not in FALLBACK_AFTER:
+            return primary
+        if primary.attack.get("attack") == self.name:
+            return primary
+        try:
+            reason = self.applicability(auditor, prepared, primary)
+        except Exception as error:  # an unreadable unit: the fallback's own run records it
+            logger.debug("fallback applicability of %s: %r", unit_name(prepared.members), error)
+            return primary
+        if reason is None:
+            return primary
+        return dataclasses.replace(
+            primary, details={**primary.details, "fallback_skipped": f"{self.name}: {reason}"}
+        )
 
     def batch_size(self, auditor: Auditor, prepared: Prepared, primary: AttackRecord) -> int | None:
         """Sources to unmix: the configured batch size, the exact attack's estimate, the clients' count.
@@ -129,7 +176,7 @@ class AttackFallback:
             The fallback's record (as kept), or nothing when the fallback does not apply.
             Never raises: a failure of the fallback is its record's ``failed`` verdict.
         """
-        if self.skip_reason(prepared, primary) is not None:
+        if primary.details.get("fallback_skipped") or self.skip_reason(prepared, primary) is not None:
             return []
         queued_at = started_at = time.time()
         try:

@@ -121,6 +121,7 @@ def _verdict_rows(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
             "share": count / attacks if attacks else None,
             "derived": derived.get(verdict, 0),
             "meaning": VERDICT_MEANINGS[verdict],
+            "advice": summary["verdict_advice"].get(verdict, ""),
         }
         for verdict, count in summary["verdict_counts"].items()
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from fl_attack.results.report.formatting import share_text
 from fl_attack.results.report.loading import number
 from fl_attack.results.report.settings import secagg_group_size, train_mode
 
-__all__ = ["MEASURED_DEFENSES_FILE", "RECOVERY_TARGET", "measured_defenses", "recommendations"]
+__all__ = ["MEASURED_DEFENSES_FILE", "RECOVERY_TARGET", "Evidence", "measured_defenses", "recommendations"]
 
 #: The data file of measured defense results.
 MEASURED_DEFENSES_FILE = Path(__file__).with_name("measured_defenses.json")
@@ -91,25 +92,74 @@ def _local_steps_findings() -> list[dict[str, Any]]:
     return findings
 
 
-def recommendations(*, config: Mapping[str, Any] | None, leaked_share: float | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Evidence:
+    """What a run shows about leakage.
+
+    Attributes
+    ----------
+    leaked_share : float
+        Share of the scored client samples recovered at least approximately (``basis ==
+        "samples"``), or of the attacked updates whose verdict is exact or approximate
+        (``basis == "verdicts"``, no ground truth).
+    basis : str
+        ``"samples"`` or ``"verdicts"``.
+    applied : int
+        Attacks that ran to the end on an update they apply to (status ok, verdict not
+        ``not-applicable``): those that could have recovered samples.
+    attacks : int
+        Attacked updates.
+    verdicts : dict[str, int]
+        Attacks per verdict.
+    """
+
+    leaked_share: float
+    basis: str
+    applied: int
+    attacks: int
+    verdicts: dict[str, int]
+
+    @property
+    def counts_text(self) -> str:
+        """``"4 exact, 2 not-applicable"``."""
+        return ", ".join(f"{count} {verdict}" for verdict, count in self.verdicts.items() if count)
+
+
+def _no_evidence_reason(evidence: Evidence) -> str | None:
+    """Why a run that recovered (almost) nothing is still no evidence that a defense is unneeded."""
+    if evidence.basis != "samples":
+        return (
+            "no ground truth was scored, and the server's own check reconstructed "
+            f"{'none' if evidence.leaked_share == 0 else share_text(evidence.leaked_share)} of the "
+            f"{evidence.attacks} attacked updates ({evidence.counts_text})"
+        )
+    if evidence.applied == 0:
+        return (
+            f"the attack could not recover anything from these {evidence.attacks} updates ({evidence.counts_text}): "
+            "it did not apply, or did not finish, so no defense was put to the test"
+        )
+    return None
+
+
+def recommendations(*, config: Mapping[str, Any] | None, evidence: Evidence | None) -> dict[str, Any]:
     """The recommendations for one run.
 
     Parameters
     ----------
     config : Mapping[str, Any] or None
         The run's ``run_config.json``.
-    leaked_share : float or None
-        Share of the client samples recovered at least approximately (or, without scores,
-        of the attacks whose verdict is exact or approximate); None when nothing was attacked.
+    evidence : Evidence or None
+        What the run shows about leakage; None when nothing was attacked.
 
     Returns
     -------
     dict[str, Any]
-        ``status`` (``not-attacked``, ``below-target``, ``shown``), ``message``, ``caveat``,
-        ``rows`` (measured settings, each with ``stops``, ``recovery``, ``utility``,
+        ``status`` (``not-attacked``, ``no-evidence``, ``below-target``, ``shown``), ``message``,
+        ``caveat``, ``rows`` (measured settings, each with ``stops``, ``recovery``, ``utility``,
         ``epsilon`` and ``source``), ``beyond_measured`` (defenses the run already had at or
         beyond the strongest measured setting) and ``local_steps`` (FedAvg findings, for
-        FedAvg runs).
+        FedAvg runs). ``below-target`` ("no further defense") is only given when ground truth
+        was scored and the attack could have recovered samples (it ran on updates it applies to).
     """
     data = measured_defenses()
     result: dict[str, Any] = {
@@ -119,19 +169,30 @@ def recommendations(*, config: Mapping[str, Any] | None, leaked_share: float | N
         "beyond_measured": [],
         "local_steps": [],
     }
-    if leaked_share is None:
+    if evidence is None:
         return {
             **result,
             "status": "not-attacked",
             "message": "Nothing was attacked, so nothing is recommended.",
         }
+    leaked_share = evidence.leaked_share
     if leaked_share < RECOVERY_TARGET:
+        unproven = _no_evidence_reason(evidence)
+        if unproven is not None:
+            return {
+                **result,
+                "status": "no-evidence",
+                "message": (
+                    f"This run shows no recovery, but that is no evidence that the data is safe: {unproven}. "
+                    "Nothing here measures how much a defense would help."
+                ),
+            }
         return {
             **result,
             "status": "below-target",
             "message": (
-                f"Recovery is already below {share_text(RECOVERY_TARGET)} in this run: the measurements "
-                "call for no further defense."
+                f"Recovery is already below {share_text(RECOVERY_TARGET)} of the scored client samples in this "
+                "run, where the attack could have recovered them: the measurements call for no further defense."
             ),
         }
     current = {
@@ -149,8 +210,15 @@ def recommendations(*, config: Mapping[str, Any] | None, leaked_share: float | N
         result["rows"] += [_point(sweep, point) for point in stronger]
     if train_mode(config) == "fedavg":
         result["local_steps"] = _local_steps_findings()
+    if evidence.basis == "samples":
+        recovered = f"Recovery in this run is {share_text(leaked_share)} of the client samples."
+    else:
+        recovered = (
+            f"In this run the server's own check reconstructed {share_text(leaked_share)} of the "
+            f"{evidence.attacks} attacked updates at least approximately (no ground truth, so no sample share)."
+        )
     message = (
-        f"Recovery in this run is {share_text(leaked_share)} of the client samples. Measured settings "
-        f"that brought it below {share_text(RECOVERY_TARGET)} are marked; each row names its source file."
+        f"{recovered} Measured settings that brought recovery below {share_text(RECOVERY_TARGET)} of the "
+        "samples are marked; each row names its source file."
     )
     return {**result, "status": "shown", "message": message}

@@ -11,7 +11,12 @@
 * ``exact_attack_share``: share of the attacks whose verdict is exact (None without attacks);
 * ``verdict_sentence``, ``verdict_counts``, ``rounds``, ``clients``, ``attacks``;
 * ``fallback``: what the approximate fallback attack recovered on the updates the exact attack
-  did not recover exactly (None when it never ran); it counts in none of the figures above.
+  did not recover exactly (None when it never ran); it counts in none of the figures above;
+* ``fallback_skipped``: the updates the fallback was not run on because it could say nothing
+  there, each with the reason;
+* ``verdict_advice``: what to do about each verdict present, chosen from its attacks' reasons;
+* ``recommendations``: measured defenses; ``no further defense`` (status ``below-target``) only
+  when ground truth was scored and the attack could have recovered samples.
 """
 
 from __future__ import annotations
@@ -25,17 +30,20 @@ from typing import Any
 import numpy as np
 
 from fl_attack.results.recovery import KIND_IMAGES, recovery_criteria
+from fl_attack.results.report.advice import verdict_advice
 from fl_attack.results.report.formatting import share_text
 from fl_attack.results.report.loading import AttackEntry, RunData, load_run, number
-from fl_attack.results.report.recommendations import recommendations
+from fl_attack.results.report.recommendations import Evidence, recommendations
 from fl_attack.results.report.settings import Defense, active_defenses
 from fl_attack.vocabulary import (
     APPROX_PSNR_DB,
     DISPLAY_PSNR_CAP_DB,
     EXACT_PSNR_DB,
+    STATUS_NOT_RUN,
     STATUS_OK,
     VERDICT_APPROXIMATE,
     VERDICT_EXACT,
+    VERDICT_NOT_APPLICABLE,
     VERDICTS,
 )
 
@@ -45,6 +53,8 @@ __all__ = ["SUMMARY_SCHEMA", "build_summary", "load_summary", "psnr_bin_edges", 
 SUMMARY_SCHEMA = "fl-attack-report-summary/1"
 #: Width of a PSNR histogram bin (dB).
 PSNR_BIN_DB = 5.0
+#: The headline names each round's exact share up to this many scored rounds.
+MAX_ROUNDS_NAMED = 4
 
 
 def load_summary(run_dir: str | Path) -> dict[str, Any]:
@@ -56,6 +66,11 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
         When ``run_dir`` holds no ``attacks.csv``.
     """
     return build_summary(load_run(run_dir))
+
+
+def _failed(entry: AttackEntry) -> bool:
+    """An attack that ran (or should have) and returned nothing; one the spectrum ruled out did not fail."""
+    return entry.status not in (STATUS_OK, STATUS_NOT_RUN)
 
 
 def _share(part: int, whole: int) -> float | None:
@@ -140,7 +155,7 @@ def _rounds(data: RunData) -> list[dict[str, Any]]:
             {
                 "round": server_round,
                 "attacks": len(entries),
-                "failed": sum(1 for entry in entries if entry.status != STATUS_OK),
+                "failed": sum(1 for entry in entries if _failed(entry)),
                 **_samples(entries),
                 "mean_psnr": float(np.mean(values)) if values else None,
                 "median_seconds": float(np.median(seconds)) if seconds else None,
@@ -261,14 +276,7 @@ def verdict_sentence(summary: Mapping[str, Any], defenses: Sequence[Defense]) ->
             return (
                 f"The server recovered none of the {scored} scored client samples exactly{rest}; {defense}."
             )
-        rounds = [item for item in summary["rounds"] if item["scored_samples"]]
-        leaking = [item for item in rounds if item["exact_samples"]]
-        if len(rounds) == 1:
-            when = f" in round {rounds[0]['round']}"
-        elif len(leaking) == len(rounds):
-            when = " in every round"
-        else:
-            when = f" in {len(leaking)} of {len(rounds)} rounds"
+        when = _exact_rounds([item for item in summary["rounds"] if item["scored_samples"]])
         more = f" and {share_text(approx / scored)} at least approximately" if approx > exact else ""
         return (
             f"The server recovered {share_text(exact / scored)} of the {scored} scored client samples "
@@ -281,16 +289,41 @@ def verdict_sentence(summary: Mapping[str, Any], defenses: Sequence[Defense]) ->
             f"No ground truth scored this run and it records no verdicts: the attacker reported {partial} of "
             f"{attacks} reconstructions complete, which cannot be confirmed; {defense}."
         )
-    if confirmed or partial:
-        return (
-            "Without ground truth, the attack's self-check confirms exact recovery of "
-            f"{confirmed} of {attacks} client updates ({share_text(confirmed / attacks)}) and {partial} more "
-            f"were recovered approximately; {defense}."
-        )
     others = ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
+    if confirmed or partial:
+        more = f", and {partial} more approximately (not confirmed)" if partial else ""
+        return (
+            "No ground truth was scored, so leakage is stated from the verdicts: "
+            f"{confirmed} of {attacks} client updates ({share_text(confirmed / attacks)}) were reconstructed "
+            f"exactly by the server's own check{more} ({others}); {defense}."
+        )
     return (
-        f"No client sample was recovered: none of the {attacks} attacks produced a reconstruction "
-        f"({others}); {defense}."
+        f"The server reconstructed none of the {attacks} attacked client updates ({others}); no ground truth "
+        "was scored, so this shows what the attack could not do on these updates, not that they are safe; "
+        f"{defense}."
+    )
+
+
+def _exact_rounds(rounds: Sequence[Mapping[str, Any]]) -> str:
+    """When the exact recoveries happened, true of every round named (``rounds``: the scored ones)."""
+    if len(rounds) == 1:
+        return f" in round {rounds[0]['round']}"
+    shares = [item["exact_samples"] / item["scored_samples"] for item in rounds]
+    if all(share == shares[0] for share in shares):
+        return " in every round"
+    if len(rounds) <= MAX_ROUNDS_NAMED:
+        return (
+            " ("
+            + ", ".join(
+                f"round {item['round']}: {share_text(share)}"
+                for item, share in zip(rounds, shares, strict=True)
+            )
+            + ")"
+        )
+    leaking = sum(1 for share in shares if share > 0)
+    return (
+        f" in {leaking} of {len(rounds)} rounds (from {share_text(min(shares))} to {share_text(max(shares))} "
+        "per round)"
     )
 
 
@@ -308,7 +341,7 @@ def build_summary(data: RunData) -> dict[str, Any]:
             "display_psnr_cap_db": DISPLAY_PSNR_CAP_DB,
         },
         "attacks": len(entries),
-        "failed_attacks": sum(1 for entry in entries if entry.status != STATUS_OK),
+        "failed_attacks": sum(1 for entry in entries if _failed(entry)),
         "scored_attacks": sum(1 for entry in entries if entry.scored),
         **_samples(entries),
         **_criteria(entries),
@@ -329,14 +362,44 @@ def build_summary(data: RunData) -> dict[str, Any]:
         "fallback": _fallback(data.fallbacks),
     }
     summary["verdict_sentence"] = verdict_sentence(summary, defenses)
-    if summary["scored_samples"]:
-        leaked = summary["approximate_sample_share"]
-    elif entries:
-        leaked = (counts[VERDICT_EXACT] + counts[VERDICT_APPROXIMATE]) / len(entries)
-    else:
-        leaked = None
-    summary["recommendations"] = recommendations(config=data.config, leaked_share=leaked)
+    summary["recommendations"] = recommendations(config=data.config, evidence=_evidence(summary, entries))
+    summary["verdict_advice"] = verdict_advice(summary["attack_details"])
+    summary["fallback_skipped"] = [
+        {
+            "round": entry.server_round,
+            "client": entry.client,
+            "reason": str(entry.details["fallback_skipped"]),
+        }
+        for entry in entries
+        if entry.details.get("fallback_skipped")
+    ]
     return summary
+
+
+def _evidence(summary: Mapping[str, Any], entries: Sequence[AttackEntry]) -> Evidence | None:
+    """What the run shows about leakage, for the recommendations (None: nothing was attacked)."""
+    if not entries:
+        return None
+    counts = summary["verdict_counts"]
+    # the attack could have recovered samples: it ran to the end on an update it applies to
+    applied = sum(
+        1 for entry in entries if entry.status == STATUS_OK and entry.verdict != VERDICT_NOT_APPLICABLE
+    )
+    if summary["scored_samples"]:
+        return Evidence(
+            leaked_share=float(summary["approximate_sample_share"]),
+            basis="samples",
+            applied=applied,
+            attacks=len(entries),
+            verdicts=dict(counts),
+        )
+    return Evidence(
+        leaked_share=(counts[VERDICT_EXACT] + counts[VERDICT_APPROXIMATE]) / len(entries),
+        basis="verdicts",
+        applied=applied,
+        attacks=len(entries),
+        verdicts=dict(counts),
+    )
 
 
 def _fallback(fallbacks: Sequence[AttackEntry]) -> dict[str, Any] | None:

@@ -1,0 +1,106 @@
+"""Rule an update out before attacking it, when its spectrum alone shows the attack cannot apply.
+
+SPEAR-family attacks (:class:`fl_attack.attacks.spear.GradientInversionAttack`) start by
+estimating the batch size from the update's singular values, with the update's rounding floor
+(:func:`fl_attack.pipeline.decompose.estimate_batch_size`). When that estimate finds no
+low-rank structure at all (a batch at least ``min(m, n)``, many local steps), the attack can
+only fail, and its verdict would be ``not-applicable`` from the same spectrum; an update of
+near-equal magnitudes (Adam-like steps) is ``not-applicable`` whatever the attack returns. The
+check makes that decision from one SVD instead of a worker, a process and a time budget. An
+update whose estimate succeeds, or that the attack is told a batch size for, is attacked as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fl_attack.pipeline.decompose import estimate_batch_size, rounding_floor
+from fl_attack.types import ObservedUpdate
+
+from .layer import LayerDelta
+from .signature import ADAPTIVE_CONCENTRATION, UpdateSignature, magnitude_concentration
+from .verdict import not_applicable_reason
+
+__all__ = ["SpectrumRuling", "ruled_out_by_spectrum", "spectrum_guided"]
+
+
+def spectrum_guided(attacker: object) -> bool:
+    """Whether ``attacker`` needs the low-rank structure the check looks for (the SPEAR family)."""
+    from fl_attack.attacks.spear import GradientInversionAttack  # the attacks' modules: only when asked
+
+    return isinstance(attacker, GradientInversionAttack)
+
+
+@dataclass(frozen=True)
+class SpectrumRuling:
+    """An update ruled out before its attack.
+
+    Attributes
+    ----------
+    reason : str
+        The ``not-applicable`` reason, as the verdict would give it after the attack.
+    batch_size : int or None
+        The batch size the spectrum suggests (the attack's own estimate), None when it finds none.
+    low_rank : bool
+        False when the update was ruled out for showing no low-rank structure at all: then it
+        holds no batch of per-sample gradients for a fallback to unmix. True for Adam-like steps
+        (ruled out by their magnitudes, whatever their spectrum).
+    """
+
+    reason: str
+    batch_size: int | None
+    low_rank: bool
+
+
+def ruled_out_by_spectrum(
+    delta: LayerDelta,
+    *,
+    signature: Callable[[], UpdateSignature],
+    train_mode: str | None,
+    num_examples: int | None,
+) -> SpectrumRuling | None:
+    """Why the update cannot be inverted exactly, read off its spectrum, or None when it may be.
+
+    Parameters
+    ----------
+    delta : LayerDelta
+        The observed update of the attacked layer.
+    signature : Callable[[], UpdateSignature]
+        The update's signature, computed on demand (the verdict's wording comes from it).
+    train_mode : str or None
+        What the client reported about its training (simulation only), to name the cause.
+    num_examples : int or None
+        The example count the client(s) reported.
+
+    Raises
+    ------
+    ValueError
+        On an update that is not a finite ``(m, n)`` matrix with a matching bias.
+    """
+    update = ObservedUpdate.from_arrays(
+        delta.weight_delta, delta.bias_delta, weight=delta.weight, bias=delta.bias, device=torch.device("cpu")
+    )
+    grad = update.weight_grad
+    floor = rounding_floor(grad, unit_roundoff=update.unit_roundoff, weight=update.weight)
+    shape = (int(grad.shape[0]), int(grad.shape[1]))
+    try:
+        estimate: int | None = int(
+            estimate_batch_size(torch.linalg.svdvals(grad), shape=shape, rounding_floor=floor).batch_size
+        )
+    except ValueError:
+        estimate = None
+    if magnitude_concentration(delta.weight_delta) > ADAPTIVE_CONCENTRATION:
+        # Adam-like steps: the verdict is not-applicable whatever the attack returns
+        reason = not_applicable_reason(signature(), train_mode=train_mode, num_examples=num_examples)
+        if reason is not None:
+            return SpectrumRuling(reason, estimate, low_rank=True)
+    if estimate is not None:
+        return None
+    computed = signature()
+    if computed.low_rank:  # the two estimates disagree: let the attack decide
+        return None
+    reason = not_applicable_reason(computed, train_mode=train_mode, num_examples=num_examples)
+    return None if reason is None else SpectrumRuling(reason, None, low_rank=False)
