@@ -27,6 +27,10 @@ from .factory import build_auditor, build_store
 from .honest_but_curious import HonestButCuriousStrategy
 from .run_config import AUDIT_KEYS, client_config, resolve_run_config
 from .run_control import AuditStopped, RunControl, StoppableGrid
+from .unaudited import TimedFedAvg, open_unaudited_directory, save_unaudited_history
+
+#: What the log says when ``attack-enabled=false``.
+AUDIT_OFF_TEXT = "The audit is off (attack-enabled=false): FedAvg trains without any attack"
 
 
 def build_strategy(
@@ -34,9 +38,9 @@ def build_strategy(
     *,
     scorer: ReconstructionScorer | None,
 ) -> HonestButCuriousStrategy | FedAvg:
-    """FedAvg, wrapped by the honest-but-curious auditor when ``attack-enabled``."""
+    """FedAvg, wrapped by the honest-but-curious auditor when ``attack-enabled`` (else timing its rounds)."""
     min_nodes = int(config["min-nodes"])
-    fedavg = FedAvg(
+    fedavg = (FedAvg if config["attack-enabled"] else TimedFedAvg)(
         fraction_train=float(config["fraction-train"]),
         fraction_evaluate=float(config["fraction-evaluate"]),
         min_train_nodes=min_nodes,
@@ -128,6 +132,9 @@ def run_audit(
         log(INFO, "Reconstructions are stored in %s", store.directory)
         if control is not None:
             control.register(store)
+    unaudited = open_unaudited_directory(config) if isinstance(strategy, TimedFedAvg) else None
+    if unaudited is not None:
+        log(INFO, "%s; its history goes to %s", AUDIT_OFF_TEXT, unaudited)
 
     try:
         result = strategy.start(
@@ -144,9 +151,12 @@ def run_audit(
     if store is not None:
         history = training_history(result)
         if isinstance(strategy, HonestButCuriousStrategy):
-            history["round_seconds"] = {str(key): value for key, value in strategy.round_seconds.items()}
+            history["round_seconds"] = _round_seconds(strategy.round_seconds)
         store.save_history(history)
         _write_report(store)
+    if unaudited is not None and isinstance(strategy, TimedFedAvg):
+        history = {**training_history(result), "round_seconds": _round_seconds(strategy.round_seconds)}
+        log(INFO, "%s: history written to %s", AUDIT_OFF_TEXT, save_unaudited_history(unaudited, history))
     if isinstance(strategy, HonestButCuriousStrategy):
         _log_audit(strategy)
         failures = strategy.auditor.store_failures
@@ -156,6 +166,10 @@ def run_audit(
                 "training finished, but the audit is incomplete"
             )
     return result, strategy
+
+
+def _round_seconds(seconds: Mapping[int, float]) -> dict[str, float]:
+    return {str(key): value for key, value in seconds.items()}
 
 
 class AuditStoreError(RuntimeError):
