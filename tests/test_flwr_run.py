@@ -1,8 +1,9 @@
 """``flwr run`` as a user types it: Flower builds the app's FAB and starts a local SuperLink.
 
-Both apps run on one SuperLink that the first ``flwr run`` starts in the background (simulation
-federation, Flower's default of two SuperNodes), with this module's own Flower home and ports;
-the SuperLink and everything it started are stopped by pid at the end. ``flwr run --stream``
+Both apps run on one SuperLink that Flower starts in the background (``flwr ls`` starts it, each
+``flwr run`` finds it through the ``local`` connection; simulation federation, Flower's default
+of two SuperNodes), with this module's own Flower home and ports; the SuperLink and everything
+it started are stopped by pid at the end. ``flwr run --stream``
 returns 0 even when the ServerApp crashed, so the tests judge the run by what it wrote.
 """
 
@@ -28,6 +29,8 @@ from tests.flower_processes import (
 
 #: Seconds one ``flwr run`` may take (a loaded two-core machine: Ray and torch start in each worker).
 RUN_TIMEOUT = 420.0
+#: ``flwr ls`` calls that may try to start the local SuperLink.
+START_TRIES = 3
 #: One FedSGD round on 8x8 digits, small enough that the attack takes about a second.
 SMALL_RUN = {
     "num-server-rounds": 1,
@@ -164,6 +167,20 @@ class LocalFlower:
         self.adopt_superlink()
         return text
 
+    def start_superlink(self) -> None:
+        """Let Flower start its local SuperLink (``flwr ls`` does, as ``flwr run`` would).
+
+        Flower gives its SuperLink 15 s to come up and kills it after that, which a loaded
+        machine can exceed: up to :data:`START_TRIES` tries.
+        """
+        text = ""
+        for _ in range(START_TRIES):
+            text = run_flwr(["ls"], env=self.env, cwd=self.home.parent, timeout=RUN_TIMEOUT)
+            self.adopt_superlink()
+            if superlink_pid(self.port) is not None:
+                return
+        raise RuntimeError(f"flwr did not start its local SuperLink in {START_TRIES} tries:\n{text[-3000:]}")
+
     def adopt_superlink(self) -> None:
         pid = superlink_pid(self.port)
         if pid is not None:
@@ -181,6 +198,7 @@ def local_flower(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFlow
     write_flower_config(home, {"local": 'address = ":local:"'})
     flower = LocalFlower(home, env, port, FlowerProcesses(directory, env))
     try:
+        flower.start_superlink()
         yield flower
     finally:
         flower.adopt_superlink()  # also when a run timed out before it was adopted
@@ -217,7 +235,7 @@ def test_flwr_run_of_this_project_writes_every_artefact(local_flower: LocalFlowe
     }
     log = local_flower.run(ROOT, overrides, output)
     assert (output / "attacks.csv").is_file(), log[-5000:]
-    assert local_flower.processes.pid("superlink") > 0  # flwr run left its SuperLink running
+    assert superlink_pid(local_flower.port) == local_flower.processes.pid("superlink")  # left running
     _assert_exact_rows(output, clients=2, batch=4)
     _assert_report(output, log)
     history = json.loads((output / "history.json").read_text(encoding="utf-8"))
