@@ -195,7 +195,9 @@ def local_flower(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFlow
     port, control_port = free_port(), free_port()
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(port)
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control_port)
-    write_flower_config(home, {"local": 'address = ":local:"'})
+    # in memory: no database to migrate at start (slow on a loaded machine, and left half-migrated
+    # when Flower kills a SuperLink that was not up in time)
+    write_flower_config(home, {"local": 'address = ":local-in-memory:"'})
     flower = LocalFlower(home, env, port, FlowerProcesses(directory, env))
     try:
         flower.start_superlink()
