@@ -9,6 +9,7 @@ and stops them, and whatever they started, by pid: never by name.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -128,6 +129,19 @@ class FlowerProcesses:
                     f"{name} did not print {text!r} in {timeout:.0f} s:\n{self.log(name)[-3000:]}"
                 )
             time.sleep(0.2)
+
+    def kill(self, name: str) -> set[int]:
+        """SIGKILL ``name`` and everything it started at once, as a machine that dies; return the survivors."""
+        pids = _started_by({self._roots[name]})
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for handle in self._handles:
+            if handle.pid in pids:
+                handle.wait(timeout=5.0)
+        return _still_running(pids, timeout=10.0)
 
     def stop(self, name: str | None = None) -> set[int]:
         """Stop ``name`` (default: every process) and everything it started; return those that survived.

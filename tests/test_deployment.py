@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,24 +49,30 @@ def _deployment_app(directory: Path) -> Path:
     return app
 
 
-@pytest.fixture
-def deployment(tmp_path: Path) -> Iterator[Deployment]:
-    home = tmp_path / "flower-home"
+@contextmanager
+def _deployment(directory: Path, node_configs: list[str]) -> Iterator[Deployment]:
+    """A SuperLink and one SuperNode per node config (``supernode-<i>``), all stopped on leaving."""
+    home = directory / "flower-home"
     env = flower_env(home)
     port = free_port()
     write_flower_config(home, {"deployment": f'address = "127.0.0.1:{port}"\ninsecure = true'})
-    processes = FlowerProcesses(tmp_path, env)
+    processes = FlowerProcesses(directory, env)
     try:
         processes.start(
             "superlink",
-            ["flower-superlink", "--insecure", "--port", str(port), "--database", str(tmp_path / "state.db")],
+            [
+                "flower-superlink",
+                "--insecure",
+                "--port",
+                str(port),
+                "--database",
+                str(directory / "state.db"),
+            ],
         )
         processes.wait_for_log("superlink", "Starting the SuperLink Fleet HTTP API")
-        for partition, node_config in enumerate(
-            ["partition-id=0 num-partitions=2", "partition-id=1 num-partitions=2 audit-ground-truth=true"]
-        ):
+        for index, node_config in enumerate(node_configs):
             processes.start(
-                f"supernode-{partition}",
+                f"supernode-{index}",
                 [
                     "flower-supernode",
                     "--insecure",
@@ -77,10 +84,19 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
                     node_config,
                 ],
             )
-        yield Deployment(_deployment_app(tmp_path), env, processes)
+        yield Deployment(_deployment_app(directory), env, processes)
     finally:
         survivors = processes.stop()
         assert not survivors, f"processes still alive after SIGKILL: {survivors}"
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
+    with _deployment(
+        tmp_path,
+        ["partition-id=0 num-partitions=2", "partition-id=1 num-partitions=2 audit-ground-truth=true"],
+    ) as running:
+        yield running
 
 
 def test_an_audited_deployment_scores_only_the_node_that_opted_in(
@@ -120,3 +136,30 @@ def test_an_audited_deployment_scores_only_the_node_that_opted_in(
     assert set(history["round_seconds"]) == {"1"}
     assert "Could not write the audit report" not in log
     assert (output / "report.html").is_file() and (output / "report.json").is_file()
+
+
+def test_a_supernode_that_dies_mid_round_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    """SuperNode 0 is killed once it received its round-1 message: Flower reports it unavailable
+    (no heartbeat), the audit records that node's round as failed, round 2 trains the other two."""
+    configs = [f"partition-id={index} num-partitions=3 audit-ground-truth=true" for index in range(3)]
+    output = tmp_path / "audit"
+    settings = (
+        "num-server-rounds=2 min-nodes=2 dataset='digits' width=32 samples-per-client=12 batch-size=4 "
+        f"fraction-evaluate=0.0 attack-time-budget=20.0 attack-isolation='thread' output-dir='{output}'"
+    )
+    with _deployment(tmp_path, configs) as deployment:
+        run = deployment.processes.start(
+            "flwr-run", ["flwr", "run", str(deployment.app), "deployment", "--stream", "-c", settings]
+        )
+        deployment.processes.wait_for_log("supernode-0", "Received", timeout=RUN_TIMEOUT)
+        assert not deployment.processes.kill("supernode-0")
+        run.wait(timeout=RUN_TIMEOUT)
+        log = deployment.processes.log("flwr-run")
+    assert (output / "history.json").is_file(), log[-5000:]
+    rows = load_table(output / "attacks.csv")
+    first = {row["client"]: row for row in rows if row["round"] == "1"}
+    (dead,) = [row for client, row in first.items() if client not in ("partition-1", "partition-2")]
+    assert dead["status"] == "error" and "Node Unavailable" in dead["verdict_reason"], dead
+    assert first["partition-1"]["status"] == first["partition-2"]["status"] == "ok"
+    second = {row["client"] for row in rows if row["round"] == "2" and row["attack"] != "cocktail-party"}
+    assert second == {"partition-1", "partition-2"}
