@@ -3,6 +3,8 @@
 The same ServerApp and ClientApp as ``flwr run .``, started with
 ``flwr.simulation.run_simulation`` so that one command installs nothing at run time, leaves
 no SuperLink behind, and exits non-zero when the audit did not produce its results.
+Flower deprecates ``run_simulation`` in favour of ``flwr run`` and offers no in-process
+replacement yet: its deprecation warning is shown as Flower prints it.
 :func:`run_audit_simulation` is that simulation as a function, shared with the
 defense sweep (``python -m experiments.defense_sweep``).
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import shlex
 import signal
@@ -85,16 +86,9 @@ def check_data(config: Mapping[str, UserConfigValue]) -> None:
         raise ValueError(str(error).splitlines()[0]) from None
 
 
-class _HideRunSimulationDeprecation(logging.Filter):
-    """Flower warns that ``run_simulation`` is deprecated; this command uses it on purpose
-    (in-process, no SuperLink left behind), so the warning is not a user's concern."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "run_simulation" not in record.getMessage() or "deprecated" not in record.getMessage()
-
-
 class AuditSimulationError(RuntimeError):
-    """The simulation ended without writing the run's results table (``attacks.csv``)."""
+    """The simulation ended without writing the run's results table (``attacks.csv``), or, with the
+    audit off, its ``history.json``."""
 
 
 def parse_overrides(text: str) -> dict[str, UserConfigValue]:
@@ -143,7 +137,8 @@ def run_audit_simulation(
     -------
     Path
         The run directory, holding ``attacks.csv``, ``history.json`` and the
-        reconstructions (see :mod:`fl_attack.results.store`).
+        reconstructions (see :mod:`fl_attack.results.store`); with ``attack-enabled=false``
+        only ``run_config.json`` and ``history.json``.
 
     Raises
     ------
@@ -151,7 +146,8 @@ def run_audit_simulation(
         On an invalid run config or resource count, or a file-size limit too small for Ray,
         before the simulation starts.
     AuditSimulationError
-        When the simulation ended without writing ``attacks.csv``.
+        When the simulation ended without writing ``attacks.csv`` (``history.json`` with
+        ``attack-enabled=false``).
     Exception
         Whatever the ServerApp raised (Flower re-raises it).
     """
@@ -159,7 +155,7 @@ def run_audit_simulation(
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
     from fl_attack.results.rundir import is_run_directory
-    from fl_attack.results.store import TABLE_FILE
+    from fl_attack.results.store import HISTORY_FILE, TABLE_FILE
     from strategies.run_config import resolve_run_config
     from strategies.server_app import create_server_app
 
@@ -183,9 +179,6 @@ def run_audit_simulation(
     check_file_size_limit()
     control = RunControl() if control is None else control
     create_client_app = _load_attribute(CLIENT_APP_FACTORY)
-    flower_logger = logging.getLogger("flwr")
-    quiet = _HideRunSimulationDeprecation()
-    flower_logger.addFilter(quiet)
     spared = run_processes(spared=set())  # processes that are not the simulation's
     try:
         _run(
@@ -201,10 +194,10 @@ def run_audit_simulation(
         else:  # the stop watchdog serves it and ends the process
             threading.Event().wait(STOP_OWNER_WAIT)
         raise
-    finally:
-        flower_logger.removeFilter(quiet)
-    if not (output / TABLE_FILE).exists():
+    if resolved["attack-enabled"] and not (output / TABLE_FILE).exists():
         raise AuditSimulationError(f"the run wrote no results table at {output / TABLE_FILE}")
+    if not (output / HISTORY_FILE).exists() and not resolved["attack-enabled"]:
+        raise AuditSimulationError(f"the run (audit off) wrote no history at {output / HISTORY_FILE}")
     return output
 
 
@@ -331,16 +324,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_SETTINGS
 
-    from fl_attack.results.store import TABLE_FILE, load_table
+    from fl_attack.results.store import HISTORY_FILE, TABLE_FILE, load_table
     from fl_attack.vocabulary import VERDICTS, format_psnr
 
     try:
         overrides = parse_overrides(args.run_config)
         from strategies.run_config import resolve_run_config
 
-        resolve_run_config({}, overrides)
+        audited = bool(resolve_run_config({}, overrides)["attack-enabled"])
     except ValueError as error:
         print(f"fl-attack-audit: {error}", file=sys.stderr)
+        return EXIT_SETTINGS
+    if args.fail_above is not None and not audited:
+        print("fl-attack-audit: --fail-above needs the audit on (attack-enabled=true)", file=sys.stderr)
         return EXIT_SETTINGS
     control = RunControl()
     try:
@@ -362,6 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fl-attack-audit: {failure_text(error)}", file=sys.stderr)
             return EXIT_FAILED
         raise
+    if not audited:
+        print("\nThe audit was off (attack-enabled=false): the federation trained, nothing was attacked.")
+        print(f"  training history: {output / HISTORY_FILE}")
+        return EXIT_OK
     from fl_attack.results.record import is_fallback_row
     from fl_attack.results.report import load_summary
 

@@ -26,6 +26,10 @@ from .factory import build_auditor, build_store
 from .honest_but_curious import HonestButCuriousStrategy
 from .run_config import AUDIT_KEYS, RunConfigError, client_config, one_line, resolve_run_config
 from .run_control import AuditStopped, RunControl, StoppableGrid
+from .unaudited import TimedFedAvg, open_unaudited_directory, save_unaudited_history
+
+#: What the log says when ``attack-enabled=false``.
+AUDIT_OFF_TEXT = "The audit is off (attack-enabled=false): FedAvg trains without any attack"
 
 
 def build_strategy(
@@ -33,9 +37,9 @@ def build_strategy(
     *,
     scorer: ReconstructionScorer | None,
 ) -> HonestButCuriousStrategy | FedAvg:
-    """FedAvg, wrapped by the honest-but-curious auditor when ``attack-enabled``."""
+    """FedAvg, wrapped by the honest-but-curious auditor when ``attack-enabled`` (else timing its rounds)."""
     min_nodes = int(config["min-nodes"])
-    fedavg = FedAvg(
+    fedavg = (FedAvg if config["attack-enabled"] else TimedFedAvg)(
         fraction_train=float(config["fraction-train"]),
         fraction_evaluate=float(config["fraction-evaluate"]),
         min_train_nodes=min_nodes,
@@ -127,6 +131,9 @@ def run_audit(
         log(INFO, "Reconstructions are stored in %s", store.directory)
         if control is not None:
             control.register(store)
+    unaudited = open_unaudited_directory(config) if isinstance(strategy, TimedFedAvg) else None
+    if unaudited is not None:
+        log(INFO, "%s; its history goes to %s", AUDIT_OFF_TEXT, unaudited)
 
     # the wrapper ends the audit after the last round: history, report.html / report.json and
     # the summary in the run's log (strategies.audit_end)
@@ -138,6 +145,9 @@ def run_audit(
         evaluate_config=client_config(config),
         evaluate_fn=evaluate_fn,
     )
+    if unaudited is not None and isinstance(strategy, TimedFedAvg):
+        history = {**training_history(result), "round_seconds": _round_seconds(strategy.round_seconds)}
+        log(INFO, "%s: history written to %s", AUDIT_OFF_TEXT, save_unaudited_history(unaudited, history))
     if isinstance(strategy, HonestButCuriousStrategy):
         failures = strategy.auditor.store_failures
         if failures:
@@ -151,6 +161,10 @@ def run_audit(
 #: Kept for callers of the former name.
 _write_report = write_run_report
 __all__ = ["app", "build_strategy", "create_server_app", "run_audit", "training_history"]
+
+
+def _round_seconds(seconds: Mapping[int, float]) -> dict[str, float]:
+    return {str(key): value for key, value in seconds.items()}
 
 
 class AuditStoreError(RuntimeError):
