@@ -94,7 +94,6 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from digits_app.task import make_model
-from fl_attack.results.report import write_report
 from strategies import HonestButCuriousStrategy
 
 app = ServerApp()
@@ -108,8 +107,6 @@ def main(grid: Grid, context: Context) -> None:
         initial_arrays=ArrayRecord(make_model().state_dict()),
         num_rounds=int(context.run_config["num-server-rounds"]),
     )
-    strategy.close()
-    write_report(strategy.auditor.store.directory)
 '''
 
 USER_CLIENT = '''\
@@ -262,3 +259,7 @@ def test_flwr_run_of_a_users_app_that_installs_the_plugin(local_flower: LocalFlo
     assert (output / "attacks.csv").is_file(), log[-5000:]
     _assert_exact_rows(output, clients=2, batch=4)
     _assert_report(output, log)
+    # the one-line wrap alone (no close(), no write_report) ends the audit: history and summary too
+    history = json.loads((output / "history.json").read_text(encoding="utf-8"))
+    assert set(history["round_seconds"]) == {"1"}, history
+    assert "fl-attack audit:" in log, log[-5000:]
