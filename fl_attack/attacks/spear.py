@@ -54,6 +54,13 @@ logger = logging.getLogger(__name__)
 #: and the search stops when the sparsity matching stops improving.
 NOISY_ABOVE = 1e-3
 
+#: Above this relative noise a clean-looking update is checked for weight decay's ``beta W_0``
+#: (:mod:`fl_attack.pipeline.weight_decay`): float32 rounding alone leaves 1e-7 to 2e-5; lr 0.01
+#: with weight decay 5e-4 left 5e-4, which the self-check would take for rows exact to 5e-4...
+DECAY_CHECK_ABOVE = 1e-5
+#: ... and it is removed when that leaves at most this fraction of the relative noise.
+DECAY_GAIN = 0.1
+
 #: Seconds (at most) that pruning a noisy selection may run past the time budget...
 PRUNE_GRACE = 30.0
 #: ... and the most it may run past it as a fraction of the budget: with the stages' own
@@ -242,7 +249,7 @@ class GradientInversionAttack(ABC):
             return factors  # the budget ran out in the decomposition
         noise = noise_level if noise_level is not None else self.noise_level
         decay_scale = 0.0
-        if noise is None and factors.spectrum.relative_noise > NOISY_ABOVE:
+        if noise is None and factors.spectrum.relative_noise > DECAY_CHECK_ABOVE:
             cleaned = self._without_weight_decay(
                 update, factors, batch_size=batch_size, start=start, budget=budget
             )
@@ -462,7 +469,9 @@ class GradientInversionAttack(ABC):
         refactored = decompose_in_time(
             cleaned, name=self.name, batch_size=batch_size, start=start, budget=budget
         )
-        if isinstance(refactored, Reconstruction) or refactored.spectrum.relative_noise > NOISY_ABOVE:
+        if isinstance(refactored, Reconstruction):
+            return None
+        if refactored.spectrum.relative_noise > DECAY_GAIN * factors.spectrum.relative_noise:
             return None
         return cleaned, refactored, scale
 

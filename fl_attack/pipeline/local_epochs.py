@@ -93,9 +93,9 @@ class EpochFit:
     inactive: torch.Tensor
 
     def describe(self) -> str:
-        """One phrase: ``"one local epoch, 4 mini-batches of 5, momentum 0.9"``."""
+        """One phrase: ``"fits one local epoch, 4 mini-batches of 5, momentum 0.9"``."""
         count = len(self.steps)
-        text = f"one local epoch, {count} mini-batch{'es' if count != 1 else ''} of {self.batch_size}"
+        text = f"fits one local epoch, {count} mini-batch{'es' if count != 1 else ''} of {self.batch_size}"
         if self.momentum:
             text += f", momentum {self.momentum:g}"
         if self.decay:

@@ -48,9 +48,9 @@ def weight_decay_scale(update: ObservedUpdate, *, batch_size: int, seed: int = 0
         cluster at it; None otherwise (no weight decay, noise, or too few neurons).
     """
     width = update.width
-    rows = min(width, 2 * batch_size + EXTRA_ROWS)
+    rows = min(width, update.input_dim - 1, 2 * batch_size + EXTRA_ROWS)  # Q must have full row rank
     repeats = rows - batch_size
-    if repeats < 3 or update.input_dim <= rows:
+    if repeats < 3:
         return None
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(width, generator=generator)[:rows].to(update.weight.device)
