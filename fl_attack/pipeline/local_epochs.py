@@ -39,6 +39,12 @@ __all__ = ["EpochFit", "EpochPatterns", "fit_one_epoch"]
 #: Momenta tried when the client's is not known: plain SGD, then the common choices.
 MOMENTA = (0.0, 0.9, 0.5, 0.8, 0.95, 0.99)
 
+#: A neuron active for a sample whose downstream gradient is tiny leaves a (near) zero entry
+#: although it is active (CIFAR-10 (20, 200): 2.8e-5 of the column's norm); as the plain
+#: acceptance (matching >= 0.99) does, up to this fraction of such neurons is allowed. A non-zero
+#: entry where the input is inactive is impossible and never allowed.
+QUIET_FRACTION = 0.01
+
 #: Search nodes (one step's choice of samples) one call of :func:`fit_one_epoch` may visit.
 NODE_LIMIT = 4000
 
@@ -158,11 +164,13 @@ def fit_one_epoch(
 
 
 def _consistent(patterns: EpochPatterns, pre_activation: torch.Tensor) -> torch.Tensor:
-    """``(N,)`` bool: columns zero exactly where their inputs are inactive, beyond the ambiguity."""
+    """``(N,)`` bool: no column non-zero where its input is inactive (beyond the ambiguity), and at
+    most ``QUIET_FRACTION`` of the neurons zero where it is active."""
     inactive = pre_activation < -patterns.ambiguity
     active = pre_activation > patterns.ambiguity
-    mismatch = (inactive & ~patterns.zero) | (active & patterns.zero)
-    return ~mismatch.any(dim=0)
+    quiet = (active & patterns.zero).sum(dim=0)
+    allowed = int(QUIET_FRACTION * patterns.zero.shape[0])
+    return ~(inactive & ~patterns.zero).any(dim=0) & (quiet <= allowed)
 
 
 def _pre_activations(
@@ -175,6 +183,19 @@ def _pre_activations(
         index = list(members)
         pre = pre + float(schedule.share[t, s]) * (patterns.columns[:, index] @ patterns.gram[index, :])
     return pre
+
+
+def _lasting(patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) -> torch.Tensor:
+    """``(N,)``: the last step at which each sample still matches when every other sample's
+    contribution is taken in at the share of the average sample placed before that step."""
+    others = patterns.columns @ patterns.gram - patterns.columns * patterns.gram.diagonal()[None, :]
+    total = sum(counts)
+    last = torch.full((patterns.size,), -1, dtype=torch.int64)
+    for t in range(len(counts)):
+        placed = sum(float(schedule.share[t, s]) * counts[s] for s in range(t)) / max(total - 1, 1)
+        pre = float(schedule.start_scale[t]) * patterns.start + placed * others
+        last = torch.where(_consistent(patterns, pre), torch.full_like(last, t), last)
+    return last
 
 
 def _peel(
@@ -206,11 +227,9 @@ def _peel(
                 :, index
             ]
         return [*order, tuple(remaining)], inactive
-    # samples that would not match as the last step are placed first: they cannot wait
-    others = patterns.columns @ patterns.gram - patterns.columns * patterns.gram.diagonal()[None, :]
-    last = float(schedule.start_scale[-1]) * patterns.start + others
-    urgency = (~_consistent(patterns, last)).to(torch.int64)
-    candidates.sort(key=lambda i: -int(urgency[i]))
+    # samples that stop matching soonest as the others' contributions grow are placed first
+    lasting = _lasting(patterns, schedule, counts)
+    candidates.sort(key=lambda i: int(lasting[i]))
     for chosen in itertools.combinations(candidates, need):
         rest = [i for i in remaining if i not in chosen]
         found = _peel(patterns, schedule, counts, [*order, chosen], rest, budget)
