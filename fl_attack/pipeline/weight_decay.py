@@ -19,7 +19,7 @@ import torch
 
 from fl_attack.types import ObservedUpdate
 
-__all__ = ["remove_weight_decay", "weight_decay_scale"]
+__all__ = ["refined_scale", "remove_weight_decay", "weight_decay_scale"]
 
 #: Eigenvalues within this relative distance of their median belong to the ``beta`` cluster
 #: (measured spread on float32 CIFAR-10 updates: 1e-6 of ``beta``).
@@ -67,7 +67,23 @@ def weight_decay_scale(update: ObservedUpdate, *, batch_size: int, seed: int = 0
     close = ((eigenvalues - beta).abs() <= CLUSTER_TOLERANCE * abs(beta)).sum()
     if int(close) < 0.75 * repeats:
         return None
-    return float(real[(eigenvalues - beta).abs() <= CLUSTER_TOLERANCE * abs(beta)].mean())
+    return beta
+
+
+def refined_scale(update: ObservedUpdate, scale: float, *, left: torch.Tensor) -> float:
+    """``scale`` corrected by least squares outside the samples' column space ``left`` (``(m, N)``
+    orthonormal, from the update less ``scale W_0``): there only ``(beta - scale) W_0`` is left.
+
+    The eigenvalue estimate carries the error of eigenvalues near the cluster (weak samples,
+    e.g. near-duplicates, whose own eigenvalues sit next to ``beta``); this step removes it.
+    """
+    residual = update.weight_grad - scale * update.weight
+    outside = residual - left @ (left.T @ residual)
+    start = update.weight - left @ (left.T @ update.weight)
+    energy = float(start.square().sum())
+    if energy <= 0.0:
+        return scale
+    return scale + float((outside * start).sum()) / energy
 
 
 def remove_weight_decay(update: ObservedUpdate, scale: float) -> ObservedUpdate:
