@@ -2,7 +2,8 @@
 
 A property test over random batches of a synthetic linear + ReLU layer (float64, small m and
 n): Gaussian inputs, sparse non-negative ones, near-duplicate samples (differences of 1e-3),
-repeated samples, all-zero and constant features, and batches close to ``min(m, n)``.
+repeated samples, all-zero and constant features, and batches close to ``min(m, n)``; and first-layer updates of a small network trained as clients train (random
+mini-batch size, epochs, learning rate, momentum and weight decay).
 Whenever SPEAR++ reports ``complete``, every recovered row is one of the true samples to a
 relative error below 1e-6, no two rows are the same sample, and the self-check passed. Beside
 it, deterministic cases show that the claim is made at all (so the property is not vacuous)
@@ -11,6 +12,7 @@ and that the self-check itself catches blended near-duplicates.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from synthetic_layer import SyntheticUpdate, relu_layer_update
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.pipeline.decompose import decompose
 from fl_attack.pipeline.self_check import self_check
+from fl_attack.simulate.victims import fedavg_update
 
 #: Every recovered sample of a complete reconstruction is a true one to this relative error.
 EXACT = 1e-6
@@ -178,3 +181,99 @@ def test_self_check_refuses_a_blend_of_two_different_samples() -> None:
     blend = _check(update, _blend(update, 0, 1, weight=0.3))
     assert not blend.passed
     assert blend.residual > 1e3 * blend.tolerance  # the blend's own pattern cannot explain the update
+
+
+# --------------------------------------------------------------------------------------
+# FedAvg as clients train: local epochs of mini-batch SGD with momentum and weight decay
+# --------------------------------------------------------------------------------------
+
+
+def _local_training_update(
+    inputs: torch.Tensor,
+    *,
+    width: int,
+    seed: int,
+    batch: int,
+    epochs: int,
+    lr: float,
+    momentum: float,
+    decay: float,
+) -> SyntheticUpdate:
+    """``W_E - W_0`` of a float64 ``Linear(n, m), ReLU, Linear(m, 3)`` client trained as
+    ``torch.optim.SGD(lr, momentum, weight_decay)`` for ``epochs`` shuffled passes of mini-batches."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(inputs.shape[1], width), torch.nn.ReLU(), torch.nn.Linear(width, 3)
+    ).double()
+    labels = torch.randint(0, 3, (inputs.shape[0],), generator=torch.Generator().manual_seed(seed))
+    weight_delta, bias_delta = fedavg_update(
+        model,
+        inputs,
+        labels,
+        lr=lr,
+        epochs=epochs,
+        mini_batch_size=batch,
+        seed=seed,
+        momentum=momentum,
+        weight_decay=decay,
+    )
+    layer = model[0]
+    return SyntheticUpdate(
+        inputs=inputs,
+        weight_grad=weight_delta,
+        bias_grad=bias_delta,
+        weight=layer.weight.detach().clone(),
+        bias=layer.bias.detach().clone(),
+    )
+
+
+@st.composite
+def _training_cases(draw: st.DrawFn) -> tuple[torch.Tensor, SyntheticUpdate]:
+    kind = draw(st.sampled_from(("gaussian", "sparse-nonnegative", "near-duplicates", "repeated")))
+    width = draw(st.integers(12, 40))
+    features = draw(st.integers(8, 24))
+    batch = draw(st.integers(2, min(6, min(width, features) - 1)))
+    seed = draw(st.integers(0, 2**16))
+    inputs = _batch(kind, batch, features, seed)
+    update = _local_training_update(
+        inputs,
+        width=width,
+        seed=seed,
+        batch=draw(st.integers(1, batch)),
+        epochs=draw(st.integers(1, 3)),
+        lr=draw(st.sampled_from((0.01, 0.05, 0.1, 0.3, 0.5))),
+        momentum=draw(st.sampled_from((0.0, 0.5, 0.9, 0.73))),
+        decay=draw(st.sampled_from((0.0, 5e-4, 1e-2))),
+    )
+    return inputs, update
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(_training_cases())
+def test_an_exact_claim_on_local_training_is_always_the_true_batch(
+    case: tuple[torch.Tensor, SyntheticUpdate],
+) -> None:
+    """Random N, mini-batch B, epochs E, lr, momentum and weight decay: an exact claim is never wrong."""
+    inputs, update = case
+    rec = _attack(update)
+    if rec is None or not rec.complete:
+        return
+    assert rec.self_check is not None and rec.self_check.passed
+    if rec.self_check.exact:
+        _assert_every_row_is_a_true_sample(rec, inputs)
+
+
+@pytest.mark.parametrize(("momentum", "decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 5e-4)])
+def test_one_local_epoch_of_mini_batches_is_claimed_exact(momentum: float, decay: float) -> None:
+    """Two mini-batches of 3 at lr 0.5: a later sample's pattern leaves W_0's, yet the batch is
+    claimed, each sample judged at its own step (and weight decay's ``beta W_0`` removed)."""
+    inputs = _batch("gaussian", 6, 24, seed=6)
+    update = _local_training_update(
+        inputs, width=40, seed=6, batch=3, epochs=1, lr=0.5, momentum=momentum, decay=decay
+    )
+    rec = _attack(update)
+    assert rec is not None and rec.complete and rec.self_check is not None and rec.self_check.exact
+    _assert_every_row_is_a_true_sample(rec, inputs)
+    assert float(rec.confidence.min()) < 0.99  # some sample does not match W_0: the plain check would refuse
+    assert rec.stats["local_epoch"].startswith("fits one local epoch")
+    assert ("weight_decay_scale" in rec.stats) is (decay > 0)

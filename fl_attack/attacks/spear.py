@@ -24,6 +24,7 @@ from fl_attack.pipeline.decompose import LowRankFactors, noise_std, weakest_samp
 from fl_attack.pipeline.deflation import Deflation, deflation_for, next_layer_update, with_certified_rows
 from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
+from fl_attack.pipeline.epoch_scorer import LocalEpochScorer, epoch_fit_for
 from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.input_rounds import interleave_input_side
 from fl_attack.pipeline.input_side import InputSideSlot
@@ -41,6 +42,7 @@ from fl_attack.pipeline.self_check import self_check
 from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
 from fl_attack.pipeline.trusted import finish_noisy, trusted_selection, uses_trusted_selection
 from fl_attack.pipeline.twin_planes import split_blends, twin_self_check
+from fl_attack.pipeline.weight_decay import refined_scale, remove_weight_decay, weight_decay_scale
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.validation import check_batch_size, check_local_steps, check_time_budget
@@ -51,6 +53,16 @@ logger = logging.getLogger(__name__)
 #: exact zeros no longer exist, directions are estimated by least squares,
 #: and the search stops when the sparsity matching stops improving.
 NOISY_ABOVE = 1e-3
+
+#: Above this relative noise a clean-looking update is checked for weight decay's ``beta W_0``
+#: (:mod:`fl_attack.pipeline.weight_decay`): float32 rounding alone leaves 1e-7 to 2e-5; lr 0.01
+#: with weight decay 5e-4 left 5e-4, which the self-check would take for rows exact to 5e-4...
+DECAY_CHECK_ABOVE = 1e-5
+#: ... and it is removed when that leaves at most this fraction of the relative noise,
+DECAY_GAIN = 0.1
+#: after this many least-squares corrections of its scale (near-duplicate samples put their
+#: eigenvalues next to it: 2e-5 relative error, rows off by 4e-4, before one correction).
+DECAY_REFINEMENTS = 2
 
 #: Seconds (at most) that pruning a noisy selection may run past the time budget...
 PRUNE_GRACE = 30.0
@@ -238,8 +250,15 @@ class GradientInversionAttack(ABC):
         factors = decompose_in_time(update, name=self.name, batch_size=batch_size, start=start, budget=budget)
         if isinstance(factors, Reconstruction):
             return factors  # the budget ran out in the decomposition
-        b, m, floor = factors.batch_size, update.width, factors.spectrum.rounding_floor
         noise = noise_level if noise_level is not None else self.noise_level
+        decay_scale = 0.0
+        if noise is None and factors.spectrum.relative_noise > DECAY_CHECK_ABOVE:
+            cleaned = self._without_weight_decay(
+                update, factors, batch_size=batch_size, start=start, budget=budget
+            )
+            if cleaned is not None:
+                update, factors, decay_scale = cleaned
+        b, m, floor = factors.batch_size, update.width, factors.spectrum.rounding_floor
         relative_noise = noise if noise is not None else factors.spectrum.relative_noise
         tolerance = ZeroTolerance.from_noise(relative_noise, width=m, factor=self.zero_tolerance_factor)
         noisy = relative_noise > NOISY_ABOVE
@@ -259,8 +278,12 @@ class GradientInversionAttack(ABC):
             "device": str(device),
             "local_steps": local_steps,
         }
+        if decay_scale:
+            stats["weight_decay_scale"] = decay_scale
         stats.update(weakest_sample_margins(factors, entry_noise=entry_noise, shape=(m, update.input_dim)))
         scorer = scorer_for(update, factors, tolerance, local_steps=local_steps, noisy=noisy)
+        if type(scorer) is SparsityMatchingScorer and not noisy and b > 1:
+            scorer = LocalEpochScorer(update, factors, tolerance, decay_scale=decay_scale)
         search_factors, active = informative_rows(factors, tolerance)
         stats["informative_rows"] = int(active.sum())
         if active.sum() < b:
@@ -313,6 +336,10 @@ class GradientInversionAttack(ABC):
             time_budget=budget,
             budget_exhausted=stats.get("stopped_by") == "time_budget",
         )
+        epoch = epoch_fit_for(scorer, selection, accept_matching=self.accept_matching)
+        if epoch is not None:
+            stats.update(local_epoch=epoch.describe(), local_batch_size=epoch.batch_size)
+            stats.update(local_momentum=epoch.momentum)
         check = self_check(
             selection.inputs,
             factors=factors,
@@ -323,6 +350,7 @@ class GradientInversionAttack(ABC):
             exact=not noisy,
             found=selection.found,
             pre_activation_basis=scorer.pre_activation_basis,
+            own_step_inactive=None if epoch is None else epoch.inactive,
         )
         check = drift_self_check(check, scorer=scorer, selection=selection, stats=stats)
         check = twin_self_check(check, scorer=scorer, selection=selection, accept=self.accept_matching)
@@ -422,7 +450,39 @@ class GradientInversionAttack(ABC):
             width = state.factors.left.shape[0]  # the last steps: pruning, a joint re-fit on wide layers
             best = finish_noisy(scorer, best, width=width, deadline=state.finish_by)
             state.stats["pruned"] = found - int(best.found.sum())
-        return best if state.noisy else polish_for(scorer, best)
+        if state.noisy or epoch_fit_for(scorer, best, accept_matching=self.accept_matching) is not None:
+            return best  # a local epoch's samples hold their patterns at their own steps, not at W_0
+        return polish_for(scorer, best)
+
+    def _without_weight_decay(
+        self,
+        update: ObservedUpdate,
+        factors: LowRankFactors,
+        *,
+        batch_size: int | None,
+        start: float,
+        budget: float | None,
+    ) -> tuple[ObservedUpdate, LowRankFactors, float] | None:
+        """The update less weight decay's ``beta W_0`` (:mod:`fl_attack.pipeline.weight_decay`) and
+        its factors, when removing it leaves a clean update; None otherwise."""
+        scale = weight_decay_scale(update, batch_size=factors.batch_size, seed=self.seed or 0)
+        if scale is None:
+            return None
+        best: tuple[ObservedUpdate, LowRankFactors, float] | None = None
+        for _ in range(DECAY_REFINEMENTS + 1):
+            cleaned = remove_weight_decay(update, scale)
+            refactored = decompose_in_time(
+                cleaned, name=self.name, batch_size=batch_size, start=start, budget=budget
+            )
+            if isinstance(refactored, Reconstruction):
+                break
+            noise = refactored.spectrum.relative_noise
+            if noise <= DECAY_GAIN * factors.spectrum.relative_noise and (
+                best is None or noise < best[1].spectrum.relative_noise
+            ):
+                best = (cleaned, refactored, scale)
+            scale = refined_scale(update, scale, left=refactored.left)
+        return best
 
     def _settled(self, state: SearchState, best: Selection, stale: int) -> bool:
         """Whether more rounds are unlikely to help a complete selection.

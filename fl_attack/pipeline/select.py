@@ -264,13 +264,22 @@ def select(
     warm = _rows_of(incumbent, candidates) if incumbent is not None and incumbent.shape[0] == b else None
     if warm is not None and sorted(warm) != sorted(chosen):
         starts.append(warm)
+    found_mask = torch.ones(b, dtype=torch.bool, device=candidates.device)
+    for start in starts:
+        # a start the scorer accepts as it is (e.g. one local epoch, whose later samples match
+        # W_0 below good_enough by nature) is not traded for swaps that raise W_0's matching
+        per_sample, q_inv = scorer.score(candidates[start])
+        unswapped = Selection(
+            candidates[start], found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
+        )
+        if scorer.accepts(unswapped, accept_matching=good_enough):
+            return unswapped
     ends = [
         _swapped(scorer, candidates, zero_counts, start, max_swap_rounds, deadline, good_enough)
         for start in starts
     ]
     directions, per_sample = max(ends, key=lambda end: float(end[1].sum()))
     _, q_inv = scorer.score(directions)
-    found_mask = torch.ones(b, dtype=torch.bool, device=candidates.device)
     return Selection(
         directions, found_mask, q_inv @ scorer.factors.right, per_sample, float(per_sample.mean())
     )

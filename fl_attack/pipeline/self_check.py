@@ -124,6 +124,7 @@ def self_check(
     exact: bool,
     found: torch.Tensor | None = None,
     pre_activation_basis: torch.Tensor | None = None,
+    own_step_inactive: torch.Tensor | None = None,
 ) -> SelfCheck:
     """Check ``(b, n)`` recovered inputs against the observed update (see the module docstring).
 
@@ -149,6 +150,12 @@ def self_check(
         ``(b,)`` bool, False for placeholder rows; all True when None.
     pre_activation_basis
         ``weight @ factors.right.T`` if already computed (it costs ``m n b``).
+    own_step_inactive
+        ``(m, b)`` bool: the neurons each sample leaves inactive at the weights of its own local
+        step, for an update of one local epoch of mini-batches
+        (:func:`fl_attack.pipeline.local_epochs.fit_one_epoch`, computed from these inputs); the
+        re-synthesis masks with it instead of the pattern at ``weight``. Rank, distinct rows and
+        pattern twins (at ``weight``) are checked as always.
     """
     b = int(inputs.shape[0])
     if factors.batch_size != b:
@@ -178,6 +185,8 @@ def self_check(
     )
     ambiguous = AMBIGUITY_FACTOR * precision * weight.norm(dim=1, keepdim=True) * x.norm(dim=1)[None, :]
     inactive = pre_activation < -ambiguous
+    if own_step_inactive is not None:
+        inactive = own_step_inactive.to(device=device)
 
     # ||(G * [Z <= 0]) X|| = ||(G * [Z <= 0]) triangle^T||, as the basis is orthonormal
     masked_energy = float(((output_grad * inactive) @ triangle.T).square().sum())

@@ -82,12 +82,14 @@ def fedavg_update(
     epochs: int,
     mini_batch_size: int | None = None,
     seed: int | None = None,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First-layer change after a client's local FedAvg training.
 
-    The client runs ``epochs`` passes of plain SGD (no momentum or weight decay) with the
-    mean cross-entropy loss on a deep copy of ``model``; the server observes only the
-    weight difference.
+    The client runs ``epochs`` passes of SGD (as ``torch.optim.SGD`` with ``momentum`` and
+    ``weight_decay``; plain SGD by default) with the mean cross-entropy loss on a deep copy of
+    ``model``; the server observes only the weight difference.
 
     Parameters
     ----------
@@ -104,6 +106,8 @@ def fedavg_update(
         last, smaller mini-batch. None trains on the full batch (no shuffling).
     seed
         Seeds the shuffling; None shuffles without a seed.
+    momentum, weight_decay
+        The optimizer's momentum factor in ``[0, 1)`` and L2 penalty ``>= 0``.
 
     Returns
     -------
@@ -125,7 +129,8 @@ def fedavg_update(
         generator.seed()
     else:
         generator.manual_seed(seed)
-    sgd_steps(local, x, y, batches=_epoch_batches(x, epochs, mini_batch_size, generator), lr=lr)
+    batches = _epoch_batches(x, epochs, mini_batch_size, generator)
+    sgd_steps(local, x, y, batches=batches, lr=lr, momentum=momentum, weight_decay=weight_decay)
     return (layer.weight.detach() - weight_0), (layer.bias.detach() - bias_0)
 
 
