@@ -176,8 +176,9 @@ def test_moderate_gaussian_noise_gives_approximate_reconstructions() -> None:
 def test_only_noisy_reconstructions_well_above_chance_are_complete(
     batch: int, factor: float, complete: bool
 ) -> None:
-    """At 2x the median entry all 16 directions are still selected, but their sparsity
-    matching (~0.56) is near chance and the inputs are noise: not a complete batch."""
+    """At 2x the median entry the search selects (nearly) all 16 directions, but their sparsity
+    matching (~0.56) is near chance and the inputs are noise: never a complete batch, however
+    many directions it reached (that depends on the machine's load)."""
     data = _data("photo-patches")
     model = _victim(data, 200)
     images, labels = _batch(data, batch, seed=batch)
@@ -185,14 +186,16 @@ def test_only_noisy_reconstructions_well_above_chance_are_complete(
     sigma = factor * median_abs_entry(weight_grad)
     noisy_weight, noisy_bias = noisy_gradient(weight_grad, bias_grad, sigma=sigma, seed=0)
     layer = first_linear(model)[1]
-    # a fixed number of initializations (no time budget) makes the search repeatable
+    # a fixed number of initializations bounds the sphere search by work, not by the clock; the
+    # input-side rounds between its rounds still take time slices, so the directions it reaches
+    # can vary with the load: the heavy case asserts what holds for every outcome
     attack = SpearPlusPlus(seed=0, time_budget=None, max_initializations=4096, progress=False)
     rec = attack.invert(
         noisy_weight, noisy_bias, weight=layer.weight.detach(), bias=layer.bias.detach(), batch_size=batch
     )
     quality = _quality(rec, data, images)
-    assert rec.stats["directions_found"] == batch, rec.summary()
     assert rec.complete is complete, rec.summary()
+    assert not complete or rec.stats["directions_found"] == batch, rec.summary()
     assert (rec.sparsity_matching >= NOISY_COMPLETE_MATCHING) is complete
     assert (quality.mean_psnr > APPROX_DB) is complete, quality.psnr
 

@@ -7,6 +7,7 @@ input. Certified inputs give rows of ``Q^{-1}``, to which every missing directio
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from fl_attack.pipeline.decompose import LowRankFactors, decompose
 from fl_attack.pipeline.deflation import Deflation
 from fl_attack.pipeline.sparsity import ZeroTolerance
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, next_layer_gradient
+from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
 from tests.synthetic_layer import SyntheticUpdate, next_layer_update, relu_layer_update
 
 BATCH, WIDTH, FEATURES, NEXT = 12, 120, 40, 60
@@ -308,3 +310,53 @@ def test_a_client_that_left_the_next_layer_unchanged_is_attacked_without_it() ->
     record = _audited(global_arrays, sent, 8)
     assert record.status == "ok", record.error
     assert "next_layer" not in record.attack and record.attack["complete"] is True
+
+
+def _tabular_mlp_step() -> tuple[torch.nn.Sequential, torch.nn.Sequential, torch.Tensor]:
+    """Issue 35's case: a tabular MLP, one SGD step at lr 0.05 on 8 rows of 6 standard-normal
+    columns and two 4-way one-hot groups; the global model, the client's and the batch."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(14, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 2),
+    )
+    rng = np.random.default_rng(1002)
+    normal = rng.standard_normal((200, 6))
+    groups = [np.eye(4)[rng.integers(0, 4, 200)] for _ in range(2)]
+    data = torch.tensor(np.concatenate([normal, *groups], axis=1), dtype=torch.float32)
+    labels = torch.tensor(rng.integers(0, 2, 200))
+    batch = torch.randperm(200, generator=torch.Generator().manual_seed(102))[:8]
+    client = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(client.parameters(), lr=0.05)
+    torch.nn.functional.cross_entropy(client(data[batch]), labels[batch]).backward()
+    optimizer.step()
+    return model, client, data[batch]
+
+
+def test_the_next_layer_never_costs_the_rows_the_bare_attack_recovers() -> None:
+    # float32 deltas: one sample's directions from two starts differ by more than 1e-6 in cosine,
+    # so the next layer once certified 6 samples 8 times, left no direction to search and
+    # recovered 1 row of 8 where the bare call recovers 8
+    torch.set_num_threads(1)
+    model, client, inputs = _tabular_mlp_step()
+    first, after = model[0], client[0]
+    update = {
+        "weight_grad": (after.weight - first.weight).detach(),
+        "bias_grad": (after.bias - first.bias).detach(),
+        "weight": first.weight.detach(),
+        "bias": first.bias.detach(),
+    }
+    next_update = (client[2].weight - model[2].weight).detach()
+
+    def exact_rows(next_weight_grad: torch.Tensor | None) -> int:
+        attack = SpearPlusPlus(device="cpu", seed=0, progress=False, time_budget=30.0)
+        rec = attack.invert(**update, next_weight_grad=next_weight_grad)
+        errors = torch.cdist(inputs.double(), rec.inputs.double()) / inputs.double().norm(dim=1, keepdim=True)
+        return int((errors.min(dim=1).values < EXACT_RELATIVE_ERROR).sum())
+
+    deflated = exact_rows(next_update)
+    assert deflated == 8
+    assert deflated >= exact_rows(None)

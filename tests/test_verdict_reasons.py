@@ -150,3 +150,19 @@ def test_a_partial_batch_says_how_many_samples_the_next_layer_confirmed() -> Non
         "the attack spent its whole 9 s budget with 3 of 4 samples found (2 of them confirmed one by one "
         "through the next layer's update)"
     )
+
+
+def test_a_budget_spent_before_the_batch_size_was_estimated_says_so() -> None:
+    stats = {
+        "batch_size": 0,
+        "directions_found": 0,
+        "stopped_by": "time_budget",
+        "stop_reason": "the decomposition ended past its share of the time budget",
+    }
+    verdict, reason = _reason(stats, time_budget=20.0)
+    assert verdict == "timeout"
+    assert "0 of 0" not in reason
+    assert reason == (
+        "the attack spent its whole 20 s budget: the batch size was not estimated "
+        "(the decomposition ended past its share of the time budget)"
+    )

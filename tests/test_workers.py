@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
@@ -60,6 +61,12 @@ def test_process_isolation_kills_timeouts_and_recovers() -> None:
 
         slow = runner.run(update, batch_size=1, timeout=0.5)
         assert slow.status == "timeout" and slow.seconds < 5.0
+        # how much CPU the killed worker got (a sleeping one: none) against the wall time it was given
+        assert re.fullmatch(
+            r"attack did not finish within the 0\.5 s timeout \(worker killed; "
+            r"it got 0\.0 s of CPU in \d\.\d s of wall time\)",
+            slow.error or "",
+        ), slow.error
         assert not worker.is_alive()  # the runaway attack was killed, not abandoned
 
         failed = runner.run(update, batch_size=2, timeout=120.0)

@@ -206,11 +206,13 @@ def decide_verdict(
         all_found = b > 0 and found >= b
         if attack.get("stopped_by") == "time_budget":
             spent = f"{time_budget:g} s " if time_budget else ""
-            progress = (
-                f": {_all_found_unconfirmed(attack, b)}"
-                if all_found
-                else f" with {found} of {b} samples found{_certified_note(attack)}"
-            )
+            if b <= 0:
+                why = attack.get("stop_reason") or "the budget ran out before the search"
+                progress = f": the batch size was not estimated ({why})"
+            elif all_found:
+                progress = f": {_all_found_unconfirmed(attack, b)}"
+            else:
+                progress = f" with {found} of {b} samples found{_certified_note(attack)}"
             return Verdict(VERDICT_TIMEOUT, f"the attack spent its whole {spent}budget{progress}")
         if all_found:
             return Verdict(

@@ -187,13 +187,39 @@ def _success(reconstruction: Any, seconds: float) -> AttackResult:
     return AttackResult(status=STATUS_OK, reconstruction=reconstruction, seconds=seconds)
 
 
-def _timed_out(timeout: float | None, seconds: float, how: str) -> AttackResult:
+def _timed_out(
+    timeout: float | None, seconds: float, how: str, cpu_seconds: float | None = None
+) -> AttackResult:
+    got = (
+        ""
+        if cpu_seconds is None
+        else f"; it got {_seconds(cpu_seconds)} of CPU in {_seconds(seconds)} of wall time"
+    )
     return AttackResult(
         status=STATUS_TIMEOUT,
         reconstruction=None,
         seconds=seconds,
-        error=f"attack did not finish within the {timeout:g} s timeout ({how})",
+        error=f"attack did not finish within the {timeout:g} s timeout ({how}{got})",
     )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system) process ``pid`` has used so far; None where unknown.
+
+    Read from ``/proc`` (Linux): a starved worker, at idle priority on a busy machine, can reach
+    its hard limit having had a fraction of the wall time on a core, and its timeout says so.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime and stime: fields 14 and 15 of stat
 
 
 def run_attack(
@@ -426,13 +452,16 @@ class ProcessAttackRunner(AttackRunner):
                 return AttackResult(status=STATUS_ERROR, reconstruction=None, seconds=0.0, error=failure)
         assert self._connection is not None and self._process is not None
         start = time.perf_counter()
+        cpu_before = process_cpu_seconds(self._process.pid)
         try:
             self._connection.send((update, batch_size, time_budget))
             ready = self._connection.poll(timeout)
             seconds = time.perf_counter() - start
             if not ready:
+                cpu_after = process_cpu_seconds(self._process.pid)
                 self._stop(kill=True)
-                return _timed_out(timeout, seconds, "worker killed")
+                used = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+                return _timed_out(timeout, seconds, "worker killed", used)
             kind, payload, trace = self._connection.recv()
         except (EOFError, OSError, BrokenPipeError):
             return self._crashed(time.perf_counter() - start)

@@ -55,6 +55,11 @@ TWIN_PATTERN_DIFFERENCE = 8
 #: Upper bound on the flops of scoring the other batches of all near-identical pairs; beyond it
 #: every such pair counts as ambiguous (a claim is withheld rather than left untested).
 AMBIGUITY_FLOPS = 5e10
+#: Most batches of one pair's plane that match the update and are self-checked; a plane with
+#: more counts as ambiguous (untested, so never claimed).
+MAX_PLANE_CHECKS = 256
+#: Batches scored at once in the twin test (bounds its memory: ``m b`` floats each).
+SCORE_CHUNK = 512
 
 
 def _plane_proposals(
@@ -194,17 +199,54 @@ def split_blends(
     return torch.cat([proposals, twins], dim=0)
 
 
+def _near_pairs(active: torch.Tensor, masks: torch.Tensor) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)``, ``i < j``, of rows that may be near-identical samples or blends of them.
+
+    A pair counts when the ReLU patterns of its inputs (``active``, ``(b, m)``) differ on 1 to
+    :data:`TWIN_PATTERN_DIFFERENCE` neurons, or when the zeros of its gradient columns
+    (``masks``) do: a row that is a blend of two twins has its inputs' pattern pulled away
+    from its partner's, but its zeros are the twins' common ones, a few short of the partner's.
+    """
+    on, off = active.to(torch.float64), (~active).to(torch.float64)
+    pattern = on @ off.T + off @ on.T  # (b, b): neurons where the two patterns differ
+    zero, nonzero = masks.to(torch.float64), (~masks).to(torch.float64)
+    zeros = zero @ nonzero.T + nonzero @ zero.T  # (b, b): neurons where one column vanishes alone
+    near = ((pattern > 0) & (pattern <= TWIN_PATTERN_DIFFERENCE)) | (zeros <= TWIN_PATTERN_DIFFERENCE)
+    return [(int(i), int(j)) for i, j in torch.nonzero(torch.triu(near, diagonal=1)).tolist()]
+
+
+def _plane_batches(
+    directions: torch.Tensor, candidates: torch.Tensor, first: int, second: int
+) -> torch.Tensor:
+    """Every batch with rows ``first`` and ``second`` taken from ``candidates`` (their own directions
+    included), other than ``directions`` itself: one or both rows replaced, ``(k, b, b)``."""
+    own = directions[[first, second]]
+    options = torch.cat([own, candidates], dim=0)
+    count = options.shape[0]
+    a, c = torch.meshgrid(torch.arange(count), torch.arange(count), indexing="ij")
+    keep = (a != c) & ~((a == 0) & (c == 1)) & ~((a == 1) & (c == 0))
+    a, c = a[keep], c[keep]
+    sets = directions.expand(a.numel(), *directions.shape).clone()
+    sets[:, first] = options[a]
+    sets[:, second] = options[c]
+    return sets
+
+
 def twin_ambiguity(
     scorer: SparsityMatchingScorer, selection: Selection, *, accept_matching: float, max_per_plane: int = 64
 ) -> int:
     """Pairs of near-identical rows of a complete ``selection`` whose plane holds another batch.
 
-    For each pair of rows whose ReLU patterns differ on 1 to :data:`TWIN_PATTERN_DIFFERENCE`
-    neurons, every direction of the pair's plane at which some neuron vanishes is put in place
-    of either row's direction; the pair counts when such a batch matches the update at
-    ``accept_matching`` for every sample and passes the same self-check
-    (:func:`fl_attack.pipeline.self_check.self_check`), as the selected one does. Where testing every pair
-    would exceed :data:`AMBIGUITY_FLOPS`, every such pair counts.
+    For each pair of rows that may be twins (:func:`_near_pairs`: their inputs' ReLU patterns or
+    their columns' zeros differ on at most :data:`TWIN_PATTERN_DIFFERENCE` neurons), every
+    direction of the pair's plane at which some neuron vanishes is put in place of either row's
+    direction, and every two of them in place of both (a search stopped early can select two
+    wrong blends of one plane, which no single replacement turns into a consistent batch); the
+    pair counts when such a batch matches the update at ``accept_matching`` for every sample and
+    passes the same self-check (:func:`fl_attack.pipeline.self_check.self_check`), as the selected
+    one does. The test depends only on the selection, never on how far the search got. Where
+    testing every pair would exceed :data:`AMBIGUITY_FLOPS`, every such pair counts; so does a
+    pair with more than :data:`MAX_PLANE_CHECKS` matching batches left to self-check.
     """
     directions = selection.directions
     b = directions.shape[0]
@@ -214,13 +256,10 @@ def twin_ambiguity(
     masks = zero_masks(scorer.factors, directions, tolerance)
     unit = directions / directions.norm(dim=1, keepdim=True)
     width = _angle_width(tolerance, left.shape[0])
-    on, off = active.to(left.dtype), (~active).to(left.dtype)
-    difference = on @ off.T + off @ on.T  # (b, b): neurons where the two patterns differ
-    near = (difference > 0) & (difference <= TWIN_PATTERN_DIFFERENCE)
-    ambiguous = 0
-    pairs = torch.nonzero(torch.triu(near, diagonal=1)).tolist()
-    if len(pairs) * 2 * max_per_plane * left.shape[0] * b * b > AMBIGUITY_FLOPS:
+    pairs = _near_pairs(active, masks)
+    if len(pairs) * (max_per_plane + 2) ** 2 * left.shape[0] * b * b > AMBIGUITY_FLOPS:
         return len(pairs)  # too costly to test here: counted as ambiguous, never claimed
+    ambiguous = 0
     for first, second in pairs:
         plane, _ = torch.linalg.qr(torch.stack([unit[first], unit[second]]).T)
         common = masks[first] & masks[second]
@@ -230,12 +269,15 @@ def twin_ambiguity(
         candidates = candidates[other]
         if candidates.shape[0] == 0:
             continue
-        sets = directions.expand(2 * candidates.shape[0], b, b).clone()
-        sets[: candidates.shape[0], first] = candidates
-        sets[candidates.shape[0] :, second] = candidates
-        per_sample, _ = scorer.score(sets)
-        matching = sets[per_sample.min(dim=1).values >= accept_matching]
-        if any(_passes_self_check(scorer, other) for other in matching):
+        matching = torch.cat(
+            [
+                sets[scorer.score(sets)[0].min(dim=1).values >= accept_matching]
+                for sets in torch.split(_plane_batches(unit, candidates, first, second), SCORE_CHUNK)
+            ]
+        )
+        if matching.shape[0] > MAX_PLANE_CHECKS or any(
+            _passes_self_check(scorer, other) for other in matching
+        ):
             ambiguous += 1
     return ambiguous
 
