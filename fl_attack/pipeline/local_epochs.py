@@ -190,7 +190,7 @@ def _lasting(patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) 
     contribution is taken in at the share of the average sample placed before that step."""
     others = patterns.columns @ patterns.gram - patterns.columns * patterns.gram.diagonal()[None, :]
     total = sum(counts)
-    last = torch.full((patterns.size,), -1, dtype=torch.int64)
+    last = torch.full((patterns.size,), -1, dtype=torch.int64, device=patterns.start.device)
     for t in range(len(counts)):
         placed = sum(float(schedule.share[t, s]) * counts[s] for s in range(t)) / max(total - 1, 1)
         pre = float(schedule.start_scale[t]) * patterns.start + placed * others

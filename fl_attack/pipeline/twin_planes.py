@@ -223,7 +223,8 @@ def _plane_batches(
     own = directions[[first, second]]
     options = torch.cat([own, candidates], dim=0)
     count = options.shape[0]
-    a, c = torch.meshgrid(torch.arange(count), torch.arange(count), indexing="ij")
+    index = torch.arange(count, device=options.device)
+    a, c = torch.meshgrid(index, index, indexing="ij")
     keep = (a != c) & ~((a == 0) & (c == 1)) & ~((a == 1) & (c == 0))
     a, c = a[keep], c[keep]
     sets = directions.expand(a.numel(), *directions.shape).clone()
