@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from torch import Tensor
+from torch.utils.data import DataLoader
 
 from fltabular.task import IncomeClassifier, evaluate, load_data, train
 
 app = ClientApp()
 
 
-@app.train()
-def train_model(msg: Message, context: Context) -> Message:
-    """One local epoch; like fl-tabular, ``num-examples`` is the number of mini-batches."""
-    train_loader, _ = load_data(
+def _loaders(context: Context) -> tuple[DataLoader[tuple[Tensor, ...]], DataLoader[tuple[Tensor, ...]]]:
+    return load_data(
         int(context.node_config["partition-id"]),
         int(context.node_config["num-partitions"]),
         int(context.run_config["partition-size"]),
     )
+
+
+@app.train()
+def train_model(msg: Message, context: Context) -> Message:
+    """One local epoch; like fl-tabular, ``num-examples`` is the number of mini-batches."""
+    train_loader, _ = _loaders(context)
     model = IncomeClassifier()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     train(model, train_loader)
@@ -29,11 +35,7 @@ def train_model(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_model(msg: Message, context: Context) -> Message:
     """Loss and accuracy on the local test split."""
-    _, test_loader = load_data(
-        int(context.node_config["partition-id"]),
-        int(context.node_config["num-partitions"]),
-        int(context.run_config["partition-size"]),
-    )
+    _, test_loader = _loaders(context)
     model = IncomeClassifier()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     loss, accuracy = evaluate(model, test_loader)
