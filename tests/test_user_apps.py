@@ -71,7 +71,7 @@ def test_user_apps_keep_flowers_shape() -> None:
         assert not any(key.startswith("attack-") for key in app.config)  # the audit's defaults
 
 
-def test_quickstart_pytorch_one_step_is_exact(tmp_path: Path) -> None:
+def test_quickstart_pytorch_one_step_is_recovered(tmp_path: Path) -> None:
     """8 training examples, batch size 32: one SGD step; fc1's 400 input features are all recovered.
 
     The server's self-check calls a recovery exact only when every neuron's ReLU pattern agrees;
