@@ -23,6 +23,8 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from strategies.run_config import AUDIT_KEYS
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -37,9 +39,9 @@ class Example:
     config: dict[str, Any]
 
 
-def load_example(name: str) -> Example:
-    """Read ``examples/<name>/pyproject.toml``; a missing example or component is an error naming it."""
-    folder = EXAMPLES / name
+def load_example(name: str, *, root: Path = EXAMPLES) -> Example:
+    """Read ``<root>/<name>/pyproject.toml`` (``examples/`` by default); a missing app is an error naming it."""
+    folder = root / name
     pyproject = folder / "pyproject.toml"
     if not pyproject.is_file():
         raise FileNotFoundError(f"no example app at {folder} (expected {pyproject.name})")
@@ -66,7 +68,8 @@ def _with_config(context: Context, config: Mapping[str, Any]) -> Context:
 
 def configured_apps(example: Example, overrides: Mapping[str, Any]) -> tuple[ServerApp, ClientApp]:
     """A ServerApp and a ClientApp that run the example's apps with its run config and ``overrides``."""
-    unknown = sorted(set(overrides) - set(example.config) - {"output-dir"})
+    # audit keys may be set on any app (from_context reads them, with defaults, from the run config)
+    unknown = sorted(set(overrides) - set(example.config) - set(AUDIT_KEYS))
     if unknown:
         raise KeyError(
             f"{unknown} are not run-config keys of {example.folder.name}: {sorted(example.config)}"
@@ -114,11 +117,13 @@ def example_on_path(example: Example) -> Iterator[None]:
                 del sys.modules[name]
 
 
-def run_example(name: str, overrides: Mapping[str, Any], *, num_supernodes: int = 2) -> None:
-    """Run ``examples/<name>`` in-process with ``flwr.simulation.run_simulation`` (1 CPU per client)."""
+def run_example(
+    name: str, overrides: Mapping[str, Any], *, num_supernodes: int = 2, root: Path = EXAMPLES
+) -> None:
+    """Run ``<root>/<name>`` in-process with ``flwr.simulation.run_simulation`` (1 CPU per client)."""
     from flwr.simulation import run_simulation
 
-    example = load_example(name)
+    example = load_example(name, root=root)
     with example_on_path(example):
         server, client = configured_apps(example, overrides)
         run_simulation(
