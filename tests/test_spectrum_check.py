@@ -108,3 +108,40 @@ def test_the_fallback_is_not_run_on_more_samples_than_the_layer_can_unmix(tmp_pa
         "cocktail-party: 200 samples cannot be unmixed from a 120 x 400 layer update "
         "(at most min(m, n) = 120 sources)"
     )
+
+
+def test_an_update_of_full_rank_on_its_live_neurons_is_not_attacked(tmp_path: Path) -> None:
+    """Neurons dead for a whole local epoch send zero rows; the rest is full rank (quickstart's
+    fc1 after an epoch): the spectrum's estimate equals the live rows, so no exact attack applies."""
+    global_arrays = _global(120, 400)
+    step = _full_rank_step(120, 400)
+    step[:8] = 0.0  # 8 neurons never active: 112 live rows, rank 112
+    update = _update(global_arrays, step, examples=416)
+    auditor = Auditor(
+        MustNotRun(seed=0, progress=False),
+        store=ReconstructionStore.create(tmp_path / "run"),
+        isolation="thread",
+        time_budget=30.0,
+        fallback="",
+    )
+    (record,) = _audit(auditor, global_arrays, update)
+    assert (record.status, record.verdict) == ("not-run", "not-applicable")
+    assert "full rank 112 on its 112 live neurons" in record.verdict_reason, record.verdict_reason
+
+
+def test_a_low_rank_update_with_dead_neurons_is_still_attacked() -> None:
+    inputs = torch.rand(4, 48, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    layer = relu_layer_update(inputs, width=120, seed=0)
+    grad = layer.weight_grad.clone()
+    assert int((grad.abs().amax(dim=1) == 0).sum()) > 0  # ReLU leaves some rows at zero
+    global_arrays = {"fc.weight": layer.weight.numpy(), "fc.bias": layer.bias.numpy()}
+    sent = {
+        "fc.weight": (layer.weight - 0.01 * grad).numpy(),
+        "fc.bias": (layer.bias - 0.01 * layer.bias_grad).numpy(),
+    }
+    auditor = Auditor(
+        SpearPlusPlus(seed=0, progress=False), isolation="thread", time_budget=20.0, fallback=""
+    )
+    update = ClientUpdate(ClientIdentity(node_id=3, partition_id=0), sent, num_examples=4)
+    (record,) = _audit(auditor, global_arrays, update)
+    assert (record.status, record.verdict) == ("ok", "exact"), record.verdict_reason

@@ -97,6 +97,15 @@ def ruled_out_by_spectrum(
         reason = not_applicable_reason(signature(), train_mode=train_mode, num_examples=num_examples)
         if reason is not None:
             return SpectrumRuling(reason, estimate, low_rank=True)
+    live = int((grad.abs().amax(dim=1) > 0).sum())  # neurons dead at every step send zero rows
+    if estimate is not None and estimate > 1 and estimate >= min(live, shape[1]):
+        # full rank on the live neurons: a batch at least as large as what the layer separates
+        reason = (
+            f"the update has full rank {estimate} on its {live} live neurons "
+            f"(of {shape[0]}, input width {shape[1]}): the batch is at least as large as the layer "
+            "can separate, as after many local steps, so no exact attack applies"
+        )
+        return SpectrumRuling(reason, estimate, low_rank=False)
     if estimate is not None:
         return None
     computed = signature()
