@@ -364,3 +364,30 @@ def test_many_rounds_name_the_range_of_their_exact_shares(tmp_path: Path) -> Non
         "The server recovered 70% of the 10 scored client samples exactly in 4 of 5 rounds (from 0% to 100% per "
         "round); no defense was on."
     )
+
+
+def test_timeout_advice_follows_each_reason() -> None:
+    """A budget spent with nothing found does not advise a larger budget as the first remedy."""
+    from fl_attack.results.report.advice import verdict_advice
+
+    attacks = [
+        {
+            "verdict": "timeout",
+            "verdict_reason": "the attack spent its whole 10 s budget with 0 of 2 samples found",
+        },
+        {
+            "verdict": "timeout",
+            "verdict_reason": "the attack spent its whole 10 s budget with 5 of 8 samples found",
+        },
+        {
+            "verdict": "timeout",
+            "verdict_reason": "the attack spent its whole 10 s budget: all 8 directions were found but not verified",
+        },
+    ]
+    advice = verdict_advice(attacks)["timeout"]
+    assert advice.startswith("1 of them had every sample found but not confirmed"), advice
+    assert "1 found no sample at all in the whole budget" in advice
+    assert "rarely yield to more time" in advice
+    assert advice.endswith(
+        "1 ran out of time before finding the batch: raise attack-time-budget (the batch was not shown safe)"
+    )

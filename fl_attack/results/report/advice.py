@@ -42,15 +42,27 @@ _FIXED: dict[str, str] = {
 }
 
 
+#: Words of a reason saying the whole budget went by without a single sample found.
+_NOTHING_FOUND = " with 0 of "
+
+
 def _timeout_advice(reasons: Sequence[str]) -> str:
     unconfirmed = sum(1 for reason in reasons if any(words in reason for words in _FOUND_BUT_UNCONFIRMED))
-    short = len(reasons) - unconfirmed
+    empty = sum(1 for reason in reasons if _NOTHING_FOUND in reason) if reasons else 0
+    empty = min(empty, len(reasons) - unconfirmed)
+    short = len(reasons) - unconfirmed - empty
     parts = []
     if unconfirmed:
         parts.append(
             f"{unconfirmed} of them had every sample found but not confirmed (near-identical samples, or a "
             "self-check that failed; see each reason): a larger time budget is unlikely to settle these, "
             "treat them as leaking approximately"
+        )
+    if empty:
+        parts.append(
+            f"{empty} found no sample at all in the whole budget: such updates (many local steps, an "
+            "adaptive optimizer, noise) rarely yield to more time; raise attack-time-budget only for "
+            "clients known to send one step (the batch was not shown safe)"
         )
     if short:
         parts.append(
