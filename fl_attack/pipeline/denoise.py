@@ -11,7 +11,7 @@ sample (``G`` is unchanged by ``d_i -> c d_i, x_i -> x_i / c``) is fixed only by
 gradient ``D^T 1``, and :func:`scale_uncertainty` reports how well (the relative std of the
 least-squares scales). On CIFAR-10 at (b, m) = (20, 200) with noise 1x the median gradient entry
 this scale error, not the directions, is most of the gap between the attack and an oracle that
-knows ``D`` (README, "SPEAR++ Table 3: DP noise").
+knows ``D`` (docs/results/spearpp-t3.md).
 
 Two *priors*, for callers that know what their inputs are: :func:`prior_scales` combines that
 uncertainty with a prior on the inputs' size (the rms of their entries over data of the same
