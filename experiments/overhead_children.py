@@ -80,7 +80,8 @@ def simulate(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise
         # without the audit there is no attacks table: expected
     ended = time.time()
-    rows = load_table(run_dir / TABLE_FILE) if run_dir is not None else []
+    # a run without the audit ends normally and writes no attacks table
+    rows = load_table(run_dir / TABLE_FILE) if run_dir is not None and (run_dir / TABLE_FILE).exists() else []
     verdicts: dict[str, int] = {}
     for row in rows:
         verdicts[row["verdict"] or row["status"]] = verdicts.get(row["verdict"] or row["status"], 0) + 1

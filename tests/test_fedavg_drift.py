@@ -130,7 +130,7 @@ def test_drift_aware_attack_recovers_the_batch_exactly(given_to: str) -> None:
     own_steps = STEPS if given_to == "attack" else 1
     per_call = {"local_steps": STEPS} if given_to == "invert" else {}
     start = time.perf_counter()
-    rec = SpearPlusPlus(seed=0, time_budget=15.0, progress=False, local_steps=own_steps).invert(
+    rec = SpearPlusPlus(seed=0, time_budget=60.0, progress=False, local_steps=own_steps).invert(
         update.weight_grad,
         update.bias_grad,
         weight=update.weight,
@@ -138,7 +138,10 @@ def test_drift_aware_attack_recovers_the_batch_exactly(given_to: str) -> None:
         batch_size=B,
         **per_call,
     )
-    assert time.perf_counter() - start < 20.0
+    # the search stops by itself once every direction is drift-consistent (about 26 s on 2
+    # shared cores), well before its budget
+    assert rec.stats.get("stopped_by") != "time_budget", rec.stats.get("stopped_by")
+    assert time.perf_counter() - start < 65.0
     assert rec.stats["drift_aware"] is True
     # exact, yet not claimed complete: drift consistency cannot rule out a blend of look-alikes
     assert not rec.complete and rec.self_check is not None and rec.self_check.passed

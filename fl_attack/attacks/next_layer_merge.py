@@ -59,6 +59,9 @@ UNBOUNDED_ROUTE_SECONDS = 60.0
 MIN_ROUTE_SECONDS = 0.5
 #: An exact attack's row at or above this per-sample matching is claimed beside the route's.
 CONFIDENT_MATCHING = 0.999
+#: A route's certified row whose own ReLU pattern agrees with the first layer's update below this
+#: contradicts it (a wrong certification agreed at 0.7; true rows of a batch of 32 stay far above).
+CONTRADICTED_BELOW = 0.9
 #: Zero tolerance of unit gradient columns, times the relative noise (SPEAR++'s default).
 ZERO_TOLERANCE_FACTOR = 30.0
 
@@ -149,6 +152,13 @@ def merged_rows(
     ``attack_agreement``, each row's :func:`pattern_agreement` (defaults: 0 for the route's rows,
     ``attack_confidence`` for the attack's).
     """
+    # a certification whose row's own ReLU pattern contradicts the first layer's update is dropped
+    # (its row is ranked with the unclaimed ones): the route must never displace an exact row
+    contradicted = (
+        np.zeros(len(route.samples), dtype=bool)
+        if route_agreement is None
+        else np.asarray(route_agreement) < CONTRADICTED_BELOW
+    )
     if route_agreement is None:
         route_agreement = np.zeros(len(route.samples))
     if attack_agreement is None:
@@ -156,10 +166,10 @@ def merged_rows(
     unclaimed_tier = 2
     # (tier, -agreement, the attack's row before the route's on a tie, source, row); sorted stably
     ranked: list[tuple[int, float, int, int, np.ndarray]] = []
-    for sample, agreement in zip(route.samples, route_agreement, strict=True):
+    for sample, agreement, against in zip(route.samples, route_agreement, contradicted, strict=True):
         if not np.any(sample.inputs):
             continue
-        if sample.verified:
+        if sample.verified and not against:
             ranked.append((0, 0.0, 1, ROUTE_CHECKED, sample.inputs))
         else:
             ranked.append((unclaimed_tier, -float(agreement), 1, ROUTE_UNCHECKED, sample.inputs))

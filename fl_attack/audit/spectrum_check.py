@@ -105,7 +105,9 @@ def ruled_out_by_spectrum(
             f"(of {shape[0]}, input width {shape[1]}): the batch is at least as large as the layer "
             "can separate, as after many local steps, so no exact attack applies"
         )
-        return SpectrumRuling(reason, estimate, low_rank=False)
+        # a fallback may still unmix it, unless the client trained on more samples than rows
+        unmixable = num_examples is not None and num_examples > min(live, shape[1])
+        return SpectrumRuling(reason, estimate, low_rank=not unmixable)
     if estimate is not None:
         return None
     computed = signature()
