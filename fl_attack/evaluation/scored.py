@@ -8,6 +8,7 @@ relative error. The :class:`fl_attack.audit.Auditor` only calls the three method
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -176,7 +177,7 @@ def rows_at_indices(
     return np.asarray(dataset[unique])
 
 
-class SampleScorer:
+class SampleScorer(ABC):
     """What every scorer shares: rendering without ground truth, and looking up the true samples.
 
     A subclass sets ``kind``, ``dataset`` (the rows that ground truth sent as indices refers to,
@@ -189,9 +190,9 @@ class SampleScorer:
     dataset: np.ndarray | None = None
     dataset_hint: str = ""
 
+    @abstractmethod
     def plausibility(self, reconstruction: np.ndarray | torch.Tensor) -> dict[str, Any]:
         """Figures computed from the reconstruction alone (no ground truth)."""
-        raise NotImplementedError
 
     def images(self, flat: np.ndarray | torch.Tensor) -> np.ndarray | None:
         """The reconstruction as pictures for the PNG grid; None for a kind without pictures."""
