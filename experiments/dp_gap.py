@@ -42,8 +42,8 @@ from experiments.observe import draw_trial, observe
 from experiments.runner import invert, load_data
 from fl_attack.data.images import ImageData
 from fl_attack.evaluation.metrics import evaluate_reconstruction
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.denoise import row_noise_std
+from fl_attack.image_priors.denoise import row_noise_std
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.victims import output_gradient
 
 _THRESHOLD_DB = 25.0

@@ -2,7 +2,7 @@
 
 The attack library stays agnostic of the data kind; the table, which knows its inputs are
 images, scores each reconstruction twice: as the attack returned it, and *denoised* by
-:mod:`fl_attack.pipeline.denoise` and :mod:`fl_attack.pipeline.box_fill`: each row's scale
+:mod:`fl_attack.image_priors.denoise` and :mod:`fl_attack.image_priors.pixel_range_scale`: each row's scale
 (which the update fixes only through the noisy bias gradient) is pulled toward the one that makes
 its pixels reach the edge of the pixel range as photos do (the *box fill*, calibrated by
 simulation on clean images of the dataset), then luma and chroma are TV-denoised apart by the
@@ -17,8 +17,8 @@ import math
 import torch
 
 from fl_attack.data.images import ImageData
-from fl_attack.pipeline.box_fill import BoxFillCalibration, box_fill_scales, calibrate_box_fill
-from fl_attack.pipeline.denoise import denoise_images, row_noise_std, scale_uncertainty
+from fl_attack.image_priors.denoise import denoise_images, row_noise_std, scale_uncertainty
+from fl_attack.image_priors.pixel_range_scale import BoxFillCalibration, box_fill_scales, calibrate_box_fill
 
 #: TV weights per unit of pixel noise std, luma and chroma (3-channel images), chosen on CIFAR-10
 #: at 1x median noise on seeds 10-14 (0.4-0.6 and 1.0-1.2 within 0.1 dB); other channel counts

@@ -25,7 +25,7 @@ import torch
 
 from experiments.config import parse_cells
 from fl_attack import SpearPlusPlus
-from fl_attack.pipeline.search import SphereSchedule, get_surrogate, optimize_on_sphere
+from fl_attack.pipeline.search.sphere import SphereSchedule, get_surrogate, optimize_on_sphere
 
 CELLS = "20x200,30x200,100x1000,150x4000,400x4000"
 

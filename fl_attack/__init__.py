@@ -20,7 +20,7 @@ from fl_attack.attacks import (
     get_attack,
     register_attack,
 )
-from fl_attack.pipeline.search import SURROGATES, SphereSchedule
+from fl_attack.pipeline.search.sphere import SURROGATES, SphereSchedule
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ObservedUpdate
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from fl_attack.pipeline.self_check import SelfCheck
+    from fl_attack.pipeline.selection.self_check import SelfCheck
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Reconstruction:
         budget and whether it ran out, the self-check's figures, ...
     self_check
         The attack's check of its own result against the observed update alone
-        (:class:`fl_attack.pipeline.self_check.SelfCheck`), or None for attacks that make none;
+        (:class:`fl_attack.pipeline.selection.self_check.SelfCheck`), or None for attacks that make none;
         ``complete`` is never True when it failed.
     """
 

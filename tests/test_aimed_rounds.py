@@ -1,4 +1,4 @@
-"""Clean sphere-search rounds aimed past the exact directions (fl_attack.pipeline.aimed_rounds)."""
+"""Clean sphere-search rounds aimed past the exact directions (fl_attack.pipeline.search.aimed_rounds)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fl_attack import get_attack
-from fl_attack.pipeline.aimed_rounds import (
+from fl_attack.pipeline.search.aimed_rounds import (
     AIMED_STARTS_PER_MISSING,
     MIN_AIMED_STARTS,
     MIN_FOUND_SHARE,
@@ -16,7 +16,7 @@ from fl_attack.pipeline.aimed_rounds import (
     exact_found,
     ordinary_lr,
 )
-from fl_attack.pipeline.select import Selection
+from fl_attack.pipeline.selection.select import Selection
 from tests.synthetic_layer import relu_layer_update
 
 

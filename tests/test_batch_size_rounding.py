@@ -18,7 +18,12 @@ from torch.func import functional_call, grad, vmap
 
 from fl_attack import SpearPlusPlus
 from fl_attack.data.images import load_dataset, sample_batch
-from fl_attack.pipeline.decompose import ROUNDING_EDGE, decompose, estimate_batch_size, rounding_floor
+from fl_attack.pipeline.spectrum.decompose import (
+    ROUNDING_EDGE,
+    decompose,
+    estimate_batch_size,
+    rounding_floor,
+)
 from fl_attack.simulate.victims import build_victim, dp_sgd_gradient, first_linear, noisy_gradient
 from fl_attack.types import ObservedUpdate
 

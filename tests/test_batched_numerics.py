@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_attack.pipeline import polish as polish_module
-from fl_attack.pipeline.polish import inactive_null_vectors
+from fl_attack.pipeline.selection import polish as polish_module
+from fl_attack.pipeline.selection.polish import inactive_null_vectors
 
 
 def _per_row_null_vectors(left: torch.Tensor, inactive: torch.Tensor) -> torch.Tensor:

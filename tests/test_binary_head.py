@@ -1,4 +1,4 @@
-"""Two-class heads: two-valued proposals for one-hidden-layer victims (fl_attack.pipeline.binary_head)."""
+"""Two-class heads: two-valued proposals for one-hidden-layer victims (fl_attack.pipeline.side_information.binary_head)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from fl_attack import SpearPlusPlus
-from fl_attack.pipeline import input_side
-from fl_attack.pipeline.binary_head import BinaryHead
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds
-from fl_attack.pipeline.onehot_groups import OneHotGroups
-from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.side_information import input_cone as input_side
+from fl_attack.pipeline.side_information.binary_head import BinaryHead
+from fl_attack.pipeline.side_information.onehot_groups import OneHotGroups
+from fl_attack.pipeline.side_information.output_layer import HeadPrior, HeadRounds
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, output_gradient
 
@@ -197,7 +197,7 @@ def test_without_two_valued_proposals_or_one_hot_rows_the_batch_stays_unrecovere
 
 
 def test_one_hot_rows_alone_recover_the_batch(victim: Victim, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the other route to the same batch: its one-hot columns (fl_attack.pipeline.onehot_side)
+    # the other route to the same batch: its one-hot columns (fl_attack.pipeline.side_information.onehot_rows)
     monkeypatch.setattr(BinaryHead, "propose", lambda self, known, avoid=None: known.new_zeros(0, BATCH))
     rec = victim.invert(time_budget=30.0)
     assert rec.complete and rec.stats["onehot_groups"] >= 1

@@ -1,11 +1,11 @@
-"""Re-fitting the blended rows of a noisy selection (fl_attack.pipeline.blend_refit)."""
+"""Re-fitting the blended rows of a noisy selection (fl_attack.pipeline.noise.blend_refit)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fl_attack.pipeline.blend_refit import (
+from fl_attack.pipeline.noise.blend_refit import (
     EXCESS_RATIO,
     blend_refit,
     inactive_excess,

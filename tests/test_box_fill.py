@@ -1,4 +1,4 @@
-"""The box-fill scale prior (fl_attack.pipeline.box_fill) and the luma/chroma TV of denoise_images."""
+"""The box-fill scale prior (fl_attack.image_priors.pixel_range_scale) and the luma/chroma TV of denoise_images."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from fl_attack.pipeline.box_fill import (
+from fl_attack.image_priors.denoise import denoise_images, opponent_tv
+from fl_attack.image_priors.pixel_range_scale import (
     BoxFillCalibration,
     box_fill_scales,
     calibrate_box_fill,
     log_box_fill,
 )
-from fl_attack.pipeline.denoise import denoise_images, opponent_tv
 
 MEAN, STD = (0.5,), (0.25,)
 

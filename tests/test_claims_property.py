@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from synthetic_layer import SyntheticUpdate, relu_layer_update
 
 from fl_attack import Reconstruction, SpearPlusPlus
-from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.self_check import self_check
+from fl_attack.pipeline.selection.self_check import self_check
+from fl_attack.pipeline.spectrum.decompose import decompose
 from fl_attack.simulate.victims import fedavg_update
 
 #: Every recovered sample of a complete reconstruction is a true one to this relative error.

@@ -16,15 +16,20 @@ import torch
 from synthetic_layer import SyntheticUpdate, relu_layer_update
 
 from fl_attack import Spear, SpearPlusPlus
-from fl_attack.pipeline import deadline as deadline_module
-from fl_attack.pipeline.candidates import CandidatePool
-from fl_attack.pipeline.deadline import chunk_rows, map_rows
-from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.last_direction import scan_missing_directions
-from fl_attack.pipeline.mixtures import split_mixtures
-from fl_attack.pipeline.search import SphereSchedule, get_surrogate, optimize_on_sphere, sampling_rounding
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful, select
-from fl_attack.pipeline.sparsity import ZeroTolerance, normalize_columns, round_minima
+from fl_attack.pipeline.budget import deadline as deadline_module
+from fl_attack.pipeline.budget.deadline import chunk_rows, map_rows
+from fl_attack.pipeline.search.candidates import CandidatePool
+from fl_attack.pipeline.search.last_direction import scan_missing_directions
+from fl_attack.pipeline.search.mixtures import split_mixtures
+from fl_attack.pipeline.search.sparsity import ZeroTolerance, normalize_columns, round_minima
+from fl_attack.pipeline.search.sphere import (
+    SphereSchedule,
+    get_surrogate,
+    optimize_on_sphere,
+    sampling_rounding,
+)
+from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer, prune_doubtful, select
+from fl_attack.pipeline.spectrum.decompose import decompose
 from fl_attack.types import ObservedUpdate
 
 #: Seconds of slack on top of the promised 110%: scheduling noise of a shared test machine.

@@ -16,9 +16,9 @@ import pytest
 import torch
 from synthetic_layer import relu_layer_update
 
-import fl_attack.pipeline.decompose as decomposition
+import fl_attack.pipeline.spectrum.decompose as decomposition
 from fl_attack import SpearPlusPlus
-from fl_attack.pipeline.deadline import (
+from fl_attack.pipeline.budget.deadline import (
     DeadlineReached,
     chunked_gram,
     chunked_product,
@@ -27,8 +27,8 @@ from fl_attack.pipeline.deadline import (
     svdvals_seconds,
     symmetric_eigen_seconds,
 )
-from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.out_of_time import DECOMPOSITION_SHARE, out_of_time
+from fl_attack.pipeline.budget.out_of_time import DECOMPOSITION_SHARE, out_of_time
+from fl_attack.pipeline.spectrum.decompose import decompose
 
 #: Seconds of slack on top of the promised 110%: scheduling noise of a shared test machine.
 SLACK = 0.5

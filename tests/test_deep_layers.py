@@ -3,7 +3,7 @@
 The inputs of layer 5 are ReLU activations of layer 4 at initialisation: non-negative, about half
 exact zeros, alike (mean pairwise cosine 0.8), and their gradient columns have fewer zeros than
 SPEAR's sparsity threshold. The sphere search then proposes sparse mixtures; the cone of
-non-negative inputs has each sample as a vertex (:mod:`fl_attack.pipeline.input_rounds`).
+non-negative inputs has each sample as a vertex (:mod:`fl_attack.pipeline.side_information.input_rounds`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.attacks.spear import SearchState
-from fl_attack.pipeline.candidates import CandidatePool, informative_rows
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.input_rounds import SWEEP_EXTRA_ZEROS, sweep_proposals
-from fl_attack.pipeline.input_side import InputSide, InputSideSlot, cone_vertices
-from fl_attack.pipeline.missing_samples import EXTRA_PROGRAMMES, missing_sample_directions
-from fl_attack.pipeline.select import SparsityMatchingScorer
-from fl_attack.pipeline.sparsity import ZeroTolerance, zero_masks
+from fl_attack.pipeline.search.candidates import CandidatePool, informative_rows
+from fl_attack.pipeline.search.sparsity import ZeroTolerance, zero_masks
+from fl_attack.pipeline.selection.select import SparsityMatchingScorer
+from fl_attack.pipeline.side_information.input_cone import InputSide, InputSideSlot, cone_vertices
+from fl_attack.pipeline.side_information.input_rounds import SWEEP_EXTRA_ZEROS, sweep_proposals
+from fl_attack.pipeline.side_information.missing_samples import EXTRA_PROGRAMMES, missing_sample_directions
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.victims import LayerGradient, build_victim, layer_gradient
 from fl_attack.types import ObservedUpdate
 

@@ -3,7 +3,7 @@
 SPEAR++'s own setting (normalised CIFAR-10 behind three hidden layers) finishes in its first
 sphere round; raw-pixel-like inputs (non-negative, ~85% exact zeros, look-alike samples) leave a
 few samples unfound there. The missing ones are vertices of the input side's cone narrowed by the
-directions already trusted (:mod:`fl_attack.pipeline.missing_samples`), for any number missing.
+directions already trusted (:mod:`fl_attack.pipeline.side_information.missing_samples`), for any number missing.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from unittest import mock
 import pytest
 import torch
 
-import fl_attack.pipeline.input_rounds as input_rounds_module
-import fl_attack.pipeline.missing_samples as missing_module
-import fl_attack.pipeline.twin_planes as twin_planes_module
+import fl_attack.pipeline.selection.near_duplicates as twin_planes_module
+import fl_attack.pipeline.side_information.input_rounds as input_rounds_module
+import fl_attack.pipeline.side_information.missing_samples as missing_module
 from fl_attack import Reconstruction, SpearPlusPlus
-from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.input_side import InputSide
-from fl_attack.pipeline.missing_samples import missing_sample_directions
-from fl_attack.pipeline.select import SparsityMatchingScorer, sparsest_independent
-from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.selection.select import SparsityMatchingScorer, sparsest_independent
+from fl_attack.pipeline.side_information.input_cone import InputSide
+from fl_attack.pipeline.side_information.missing_samples import missing_sample_directions
+from fl_attack.pipeline.spectrum.decompose import decompose
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear
 from fl_attack.types import ObservedUpdate
 from tests.synthetic_layer import relu_layer_update
@@ -80,7 +80,7 @@ def test_without_them_the_first_round_falls_short() -> None:
     def no_planes(factors: object, directions: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
         return directions.new_zeros(0, BATCH)
 
-    # the twin planes (fl_attack/pipeline/twin_planes.py) reach these samples too: both off
+    # the twin planes (fl_attack/pipeline/selection/near_duplicates.py) reach these samples too: both off
     with (
         mock.patch.object(missing_module, "missing_sample_directions", nothing),
         mock.patch.object(twin_planes_module, "twin_plane_proposals", no_planes),

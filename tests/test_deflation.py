@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import fl_attack.attacks.spear as spear_module
-import fl_attack.pipeline.deflation as deflation_module
+import fl_attack.pipeline.side_information.next_layer as deflation_module
 from fl_attack import SpearPlusPlus
 from fl_attack.audit import Auditor
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate
 from fl_attack.data.images import load_dataset
-from fl_attack.pipeline.candidates import informative_rows
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.deflation import Deflation
-from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.pipeline.search.candidates import informative_rows
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.side_information.next_layer import Deflation
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, next_layer_gradient
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
 from tests.synthetic_layer import SyntheticUpdate, next_layer_update, relu_layer_update

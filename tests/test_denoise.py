@@ -13,7 +13,7 @@ from experiments.dp_gap import parse_seeds
 from experiments.dp_prior import box_fill_calibration, denoised_attack, size_prior
 from fl_attack.data.images import ImageData
 from fl_attack.evaluation.metrics import evaluate_reconstruction
-from fl_attack.pipeline.denoise import (
+from fl_attack.image_priors.denoise import (
     denoise_images,
     gradient_columns,
     prior_scales,

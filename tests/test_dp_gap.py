@@ -16,7 +16,7 @@ from experiments.dp_gap import (
 )
 from experiments.runner import load_data
 from fl_attack.data.images import ImageData
-from fl_attack.pipeline.decompose import decompose
+from fl_attack.pipeline.spectrum.decompose import decompose
 
 
 def test_subspace_ceiling_recovers_a_clean_batch_exactly() -> None:

@@ -1,4 +1,4 @@
-"""FedAvg with ReLU drift: many full-batch steps at a large learning rate (fl_attack.pipeline.drift)."""
+"""FedAvg with ReLU drift: many full-batch steps at a large learning rate (fl_attack.pipeline.local_training.drift)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from experiments.observe import draw_trial, observe
 from fl_attack.attacks.spear_variants import SpearPlusPlus
 from fl_attack.data.images import ImageData, load_dataset, sample_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.drift import DriftMatchingScorer, drift_polish, scorer_for
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
-from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.pipeline.local_training.drift import DriftMatchingScorer, drift_polish, scorer_for
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.gradients import LOSSES
 from fl_attack.simulate.victims import build_victim, fedavg_update, first_linear
 from fl_attack.types import ObservedUpdate

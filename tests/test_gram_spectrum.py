@@ -1,4 +1,4 @@
-"""The spectrum of a noisy update from its Gram matrix (fl_attack.pipeline.gram_spectrum) and the
+"""The spectrum of a noisy update from its Gram matrix (fl_attack.pipeline.spectrum.gram_spectrum) and the
 decomposition's use of it on large layers with a known batch size."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from fl_attack.pipeline import decompose as decomposition
-from fl_attack.pipeline.gram_spectrum import noisy_spectrum
+from fl_attack.pipeline.spectrum import decompose as decomposition
+from fl_attack.pipeline.spectrum.gram_spectrum import noisy_spectrum
 
 
 def _update(*, rows: int = 300, columns: int = 200, rank: int = 10, noise: float) -> torch.Tensor:

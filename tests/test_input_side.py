@@ -1,4 +1,4 @@
-"""Input-side proposals: vertices of the cone of non-negative inputs (``fl_attack.pipeline.input_side``).
+"""Input-side proposals: vertices of the cone of non-negative inputs (``fl_attack.pipeline.side_information.input_cone``).
 
 The batches are pooled-ReLU-like: non-negative rows with ~40% exact zeros, as fc1 of a CNN
 receives. The layer is narrow (``m / b = 4``), where the gradient side's l1 search alone
@@ -14,18 +14,18 @@ import pytest
 import torch
 
 import fl_attack.attacks.spear as spear_module
-import fl_attack.pipeline.input_side as input_side_module
+import fl_attack.pipeline.side_information.input_cone as input_side_module
 from fl_attack import Reconstruction, SpearPlusPlus
-from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.input_side import (
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.selection.select import SparsityMatchingScorer
+from fl_attack.pipeline.side_information.input_cone import (
     MAX_KERNELS_PER_INPUT,
     NOT_NEEDED,
     InputSide,
     cone_vertices,
     gradient_directions,
 )
-from fl_attack.pipeline.select import SparsityMatchingScorer
-from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.pipeline.spectrum.decompose import decompose
 from fl_attack.types import ObservedUpdate
 from tests.synthetic_layer import SyntheticUpdate, relu_layer_update
 

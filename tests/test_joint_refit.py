@@ -1,5 +1,5 @@
-"""Joint re-fit of a noisy selection on its predicted zeros (fl_attack.pipeline.joint_refit) and the
-last steps of a noisy attack (fl_attack.pipeline.trusted.finish_noisy)."""
+"""Joint re-fit of a noisy selection on its predicted zeros (fl_attack.pipeline.noise.joint_refit) and the
+last steps of a noisy attack (fl_attack.pipeline.noise.one_at_a_time.finish_noisy)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from fl_attack.pipeline.blend_refit import blend_refit
-from fl_attack.pipeline.joint_refit import MIN_COS, joint_refit, predicted_zeros, refit_on
-from fl_attack.pipeline.select import (
+from fl_attack.pipeline.noise.blend_refit import blend_refit
+from fl_attack.pipeline.noise.joint_refit import MIN_COS, joint_refit, predicted_zeros, refit_on
+from fl_attack.pipeline.noise.one_at_a_time import REFIT_MIN_FOUND, finish_noisy
+from fl_attack.pipeline.selection.select import (
     Selection,
     SparsityMatchingScorer,
     orthonormal_completion,
     prune_doubtful,
 )
-from fl_attack.pipeline.trusted import REFIT_MIN_FOUND, finish_noisy
 from tests.test_trusted import _layer
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from synthetic_layer import relu_layer_update
 
-from fl_attack.pipeline.local_epochs import EpochPatterns, fit_one_epoch
-from fl_attack.pipeline.sgd_schedule import decay_for_scale, sgd_schedule
-from fl_attack.pipeline.weight_decay import remove_weight_decay, weight_decay_scale
+from fl_attack.pipeline.local_training.local_epochs import EpochPatterns, fit_one_epoch
+from fl_attack.pipeline.local_training.sgd_schedule import decay_for_scale, sgd_schedule
+from fl_attack.pipeline.local_training.weight_decay import remove_weight_decay, weight_decay_scale
 from fl_attack.simulate.local_sgd import sgd_steps
 from fl_attack.types import ObservedUpdate
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fl_attack.data.images import load_dataset, sample_batch
-from fl_attack.pipeline.decompose import decompose, estimate_batch_size
+from fl_attack.pipeline.spectrum.decompose import decompose, estimate_batch_size
 from fl_attack.simulate.victims import (
     build_victim,
     client_gradient,
@@ -191,7 +191,7 @@ def test_large_layers_take_the_same_factors_without_a_full_svd(
     monkeypatch: pytest.MonkeyPatch, name: str, batch: int
 ) -> None:
     """Subspace iteration (used on large layers) gives the full SVD's rank-b factors to float64 precision."""
-    import fl_attack.pipeline.decompose as decomposition
+    import fl_attack.pipeline.spectrum.decompose as decomposition
 
     weight_grad, _, _ = _gradient(name, batch, 300, 0)
     full = decompose(weight_grad.double())
@@ -214,7 +214,7 @@ def test_large_noisy_layers_take_the_full_svd_subspace_from_the_gram_matrix(
 ) -> None:
     """Without a clean gap subspace iteration would not converge: the vectors come from the Gram
     matrix's eigendecomposition, no SVD of the whole layer, and span the full SVD's subspace."""
-    import fl_attack.pipeline.decompose as decomposition
+    import fl_attack.pipeline.spectrum.decompose as decomposition
 
     weight_grad, output_grad, _ = _gradient("photo-patches", 12, 300, 0)
     sigma = 0.5 * median_abs_entry(weight_grad)

@@ -53,7 +53,7 @@ from fl_attack.audit.prepare import prepare_unit, round_layer  # noqa: E402
 from fl_attack.audit.units import Prepared  # noqa: E402
 from fl_attack.audit.verdict import decide_verdict  # noqa: E402
 from fl_attack.data.images import load_dataset  # noqa: E402
-from fl_attack.pipeline.decompose import decompose  # noqa: E402
+from fl_attack.pipeline.spectrum.decompose import decompose  # noqa: E402
 from fl_attack.reconstruction import Reconstruction  # noqa: E402
 from fl_attack.vocabulary import (  # noqa: E402
     EXACT_RELATIVE_ERROR,

@@ -17,9 +17,9 @@ import torch
 
 from fl_attack.data.images import ImageData, load_dataset, sample_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
-from fl_attack.pipeline.decompose import decompose, noise_std
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, prune_doubtful
-from fl_attack.pipeline.sparsity import NOISE_SIGMAS, ZeroTolerance, excess_zeros, zero_masks
+from fl_attack.pipeline.search.sparsity import NOISE_SIGMAS, ZeroTolerance, excess_zeros, zero_masks
+from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer, prune_doubtful
+from fl_attack.pipeline.spectrum.decompose import decompose, noise_std
 from fl_attack.simulate.victims import (
     build_victim,
     client_gradient,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_attack.pipeline.onehot_groups import NO_GROUPS, detect_onehot_groups
+from fl_attack.pipeline.side_information.onehot_groups import NO_GROUPS, detect_onehot_groups
 from fl_attack.simulate.victims import build_victim, client_gradient
 from tests.onehot_adult_rows import GROUP_RANGES, INPUT_DIM, adult_batch
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from fl_attack import SpearPlusPlus
-from fl_attack.pipeline.onehot_groups import detect_onehot_groups
-from fl_attack.pipeline.onehot_side import (
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.side_information.onehot_groups import detect_onehot_groups
+from fl_attack.pipeline.side_information.onehot_rows import (
     OneHotSide,
     cutting_directions,
     lineality,
@@ -18,7 +19,6 @@ from fl_attack.pipeline.onehot_side import (
     one_hot_rows,
     single_sample_mask,
 )
-from fl_attack.pipeline.sparsity import ZeroTolerance
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear
 from tests.onehot_adult_rows import adult_batch
 

@@ -1,11 +1,11 @@
-"""The one breakpoint scan (``fl_attack.pipeline.pattern_scan``): a missing sample's direction from its line."""
+"""The one breakpoint scan (``fl_attack.pipeline.search.pattern_scan``): a missing sample's direction from its line."""
 
 from __future__ import annotations
 
 import torch
 
-from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.pattern_scan import line_pattern_kernels
+from fl_attack.pipeline.search.pattern_scan import line_pattern_kernels
+from fl_attack.pipeline.spectrum.decompose import decompose
 from tests.synthetic_layer import relu_layer_update
 
 BATCH, WIDTH, FEATURES = 8, 80, 40

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from fl_attack.pipeline.polish import polish
-from fl_attack.pipeline.precision import estimated_row_errors, precision_stats
-from fl_attack.pipeline.select import Selection
+from fl_attack.pipeline.selection.polish import polish
+from fl_attack.pipeline.selection.precision import estimated_row_errors, precision_stats
+from fl_attack.pipeline.selection.select import Selection
 from tests.test_selection import _truth
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fl_attack.pipeline.search import (
+from fl_attack.pipeline.search.sphere import (
     SETTLED_ENTRY,
     SettledPruning,
     SphereSchedule,

@@ -15,17 +15,17 @@ import pytest
 import torch
 
 from fl_attack.data.images import load_dataset, sample_batch
-from fl_attack.pipeline.candidates import duplicate_cos_tolerance
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.last_direction import scan_missing_directions
-from fl_attack.pipeline.mixtures import split_mixtures
-from fl_attack.pipeline.select import (
+from fl_attack.pipeline.search.candidates import duplicate_cos_tolerance
+from fl_attack.pipeline.search.last_direction import scan_missing_directions
+from fl_attack.pipeline.search.mixtures import split_mixtures
+from fl_attack.pipeline.search.sparsity import ZeroTolerance, min_sparsity, refine_on_zeros, zero_masks
+from fl_attack.pipeline.selection.select import (
     SparsityMatchingScorer,
     orthonormal_completion,
     select,
     sparsest_independent,
 )
-from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity, refine_on_zeros, zero_masks
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear
 from fl_attack.types import ObservedUpdate
 

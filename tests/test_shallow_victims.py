@@ -1,4 +1,4 @@
-"""One hidden layer before the output layer: head-guided proposals (fl_attack.pipeline.head_structure)."""
+"""One hidden layer before the output layer: head-guided proposals (fl_attack.pipeline.side_information.output_layer)."""
 
 from __future__ import annotations
 
@@ -16,18 +16,23 @@ from torch import nn
 from fl_attack import SpearPlusPlus
 from fl_attack.data.images import load_dataset, sample_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
-from fl_attack.pipeline import deadline as deadline_module
-from fl_attack.pipeline.candidates import CandidatePool, duplicate_cos_tolerance
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.head_structure import (
+from fl_attack.pipeline.budget import deadline as deadline_module
+from fl_attack.pipeline.search.candidates import CandidatePool, duplicate_cos_tolerance
+from fl_attack.pipeline.search.sparsity import ZeroTolerance, least_squares_kernel, min_sparsity
+from fl_attack.pipeline.search.sphere import (
+    SphereSchedule,
+    get_surrogate,
+    optimize_on_sphere,
+    random_directions,
+)
+from fl_attack.pipeline.side_information.output_layer import (
     HeadPrior,
     HeadRounds,
     interleave_head_rounds,
     round_classes,
     sign_aware_l1,
 )
-from fl_attack.pipeline.search import SphereSchedule, get_surrogate, optimize_on_sphere, random_directions
-from fl_attack.pipeline.sparsity import ZeroTolerance, least_squares_kernel, min_sparsity
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, output_gradient
 
 WIDTH, BATCH, SEED = 200, 8, 0

@@ -1,7 +1,7 @@
 """The search's Riemannian optimizers are geoopt's, written out (no torch._dynamo import).
 
 geoopt's ``RiemannianAdam`` imports ``torch._dynamo`` when it is first built: seconds that
-no deadline can interrupt. The sphere versions in :mod:`fl_attack.pipeline.search` must take
+no deadline can interrupt. The sphere versions in :mod:`fl_attack.pipeline.search.sphere` must take
 exactly geoopt's steps.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_attack.pipeline.search import SphereSchedule, get_surrogate, optimize_on_sphere
+from fl_attack.pipeline.search.sphere import SphereSchedule, get_surrogate, optimize_on_sphere
 
 
 def _geoopt_minima(

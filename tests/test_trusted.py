@@ -1,4 +1,4 @@
-"""Own-matching selection of directions on noisy wide layers (fl_attack.pipeline.trusted)."""
+"""Own-matching selection of directions on noisy wide layers (fl_attack.pipeline.noise.one_at_a_time)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fl_attack.pipeline.decompose import decompose, noise_std
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer, orthonormal_completion
-from fl_attack.pipeline.sparsity import ZeroTolerance
-from fl_attack.pipeline.trusted import (
+from fl_attack.pipeline.noise.one_at_a_time import (
     AIMED_PER_MISSING,
     FIRST_ROUND_SHARE,
     MIN_AIMED,
@@ -23,6 +20,9 @@ from fl_attack.pipeline.trusted import (
     trusted_selection,
     uses_trusted_selection,
 )
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer, orthonormal_completion
+from fl_attack.pipeline.spectrum.decompose import decompose, noise_std
 from fl_attack.types import ObservedUpdate
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import torch
 
 import fl_attack.attacks.spear as spear_module
-import fl_attack.pipeline.twin_planes as twin_planes_module
+import fl_attack.pipeline.selection.near_duplicates as twin_planes_module
 from fl_attack import get_attack
-from fl_attack.pipeline.decompose import decompose
-from fl_attack.pipeline.select import Selection, SparsityMatchingScorer
-from fl_attack.pipeline.self_check import self_check
-from fl_attack.pipeline.sparsity import ZeroTolerance, zero_masks
-from fl_attack.pipeline.twin_planes import twin_plane_proposals, twin_self_check
+from fl_attack.pipeline.search.sparsity import ZeroTolerance, zero_masks
+from fl_attack.pipeline.selection.near_duplicates import twin_plane_proposals, twin_self_check
+from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer
+from fl_attack.pipeline.selection.self_check import self_check
+from fl_attack.pipeline.spectrum.decompose import decompose
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart_cnn"

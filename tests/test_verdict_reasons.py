@@ -9,7 +9,7 @@ import pytest
 
 from fl_attack.audit import decide_verdict, update_signature
 from fl_attack.audit.signature import UpdateSignature
-from fl_attack.pipeline.self_check import SelfCheck
+from fl_attack.pipeline.selection.self_check import SelfCheck
 
 LOW_RANK = update_signature(np.outer(np.arange(1.0, 7.0), np.arange(1.0, 5.0)))
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from fl_attack.attacks.fast_ica import NONLINEARITIES, IcaResult, principal_subspace, symmetric_fastica
-from fl_attack.pipeline.decompose import estimate_batch_size
+from fl_attack.pipeline.spectrum.decompose import estimate_batch_size
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate
 from fl_attack.validation import check_batch_size, check_time_budget, resolve_device

@@ -19,7 +19,7 @@ runs it on a reconstruction that is not complete and merges its rows:
 dropping any row within a cosine of :data:`fl_attack.attacks.next_layer.DUPLICATE_COSINE` of
 one kept before it, until the batch's ``b`` rows are filled. The result is ``complete`` only
 when every row is a claimed one and the whole batch passes the attack's own self-check
-(:func:`fl_attack.pipeline.self_check.self_check`); with any unclaimed row it never is.
+(:func:`fl_attack.pipeline.selection.self_check.self_check`); with any unclaimed row it never is.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack.pipeline.decompose import LowRankFactors, decompose
-from fl_attack.pipeline.select import SparsityMatchingScorer
-from fl_attack.pipeline.self_check import self_check
-from fl_attack.pipeline.sparsity import ZeroTolerance
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.selection.select import SparsityMatchingScorer
+from fl_attack.pipeline.selection.self_check import self_check
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ObservedUpdate
 
@@ -112,7 +112,7 @@ def batch_matching(
     """Per-sample sparsity matching of a whole batch of ``b`` rows, as SPEAR++ scores its own.
 
     The rows fix the disaggregation matrix (``X = Q^-1 R``); its columns are the samples'
-    gradient directions, scored by :class:`fl_attack.pipeline.select.SparsityMatchingScorer`
+    gradient directions, scored by :class:`fl_attack.pipeline.selection.select.SparsityMatchingScorer`
     with SPEAR++'s zero tolerance. Meaningful only when every row is a sample: one wrong row
     changes every direction.
     """

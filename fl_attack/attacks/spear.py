@@ -13,36 +13,48 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fl_attack.pipeline.candidates import (
+from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.out_of_time import decompose_in_time
+from fl_attack.pipeline.local_training.drift import drift_self_check, polish_for, scorer_for
+from fl_attack.pipeline.local_training.drift_proposals import interleave_drift_rounds
+from fl_attack.pipeline.local_training.epoch_scorer import LocalEpochScorer, epoch_fit_for
+from fl_attack.pipeline.local_training.weight_decay import (
+    refined_scale,
+    remove_weight_decay,
+    weight_decay_scale,
+)
+from fl_attack.pipeline.noise.one_at_a_time import finish_noisy, trusted_selection, uses_trusted_selection
+from fl_attack.pipeline.search.candidates import (
     CandidatePool,
     duplicate_cos_tolerance,
     informative_rows,
     rows_not_in,
 )
-from fl_attack.pipeline.deadline import expired
-from fl_attack.pipeline.decompose import LowRankFactors, noise_std, weakest_sample_margins
-from fl_attack.pipeline.deflation import Deflation, deflation_for, next_layer_update, with_certified_rows
-from fl_attack.pipeline.drift import drift_self_check, polish_for, scorer_for
-from fl_attack.pipeline.drift_proposals import interleave_drift_rounds
-from fl_attack.pipeline.epoch_scorer import LocalEpochScorer, epoch_fit_for
-from fl_attack.pipeline.head_structure import HeadPrior, HeadRounds, interleave_head_rounds
-from fl_attack.pipeline.input_rounds import interleave_input_side
-from fl_attack.pipeline.input_side import InputSideSlot
-from fl_attack.pipeline.missing_samples import missing_direction_proposals, trusted_directions
-from fl_attack.pipeline.out_of_time import decompose_in_time
-from fl_attack.pipeline.precision import precision_stats
-from fl_attack.pipeline.select import (
+from fl_attack.pipeline.search.sparsity import ZeroTolerance, min_sparsity
+from fl_attack.pipeline.selection.near_duplicates import split_blends, twin_self_check
+from fl_attack.pipeline.selection.precision import precision_stats
+from fl_attack.pipeline.selection.select import (
     Selection,
     SparsityMatchingScorer,
     better_selection,
     finishing_seconds,
     select,
 )
-from fl_attack.pipeline.self_check import self_check
-from fl_attack.pipeline.sparsity import ZeroTolerance, min_sparsity
-from fl_attack.pipeline.trusted import finish_noisy, trusted_selection, uses_trusted_selection
-from fl_attack.pipeline.twin_planes import split_blends, twin_self_check
-from fl_attack.pipeline.weight_decay import refined_scale, remove_weight_decay, weight_decay_scale
+from fl_attack.pipeline.selection.self_check import self_check
+from fl_attack.pipeline.side_information.input_cone import InputSideSlot
+from fl_attack.pipeline.side_information.input_rounds import interleave_input_side
+from fl_attack.pipeline.side_information.missing_samples import (
+    missing_direction_proposals,
+    trusted_directions,
+)
+from fl_attack.pipeline.side_information.next_layer import (
+    Deflation,
+    deflation_for,
+    next_layer_update,
+    with_certified_rows,
+)
+from fl_attack.pipeline.side_information.output_layer import HeadPrior, HeadRounds, interleave_head_rounds
+from fl_attack.pipeline.spectrum.decompose import LowRankFactors, noise_std, weakest_sample_margins
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
 from fl_attack.validation import check_batch_size, check_local_steps, check_time_budget
@@ -55,7 +67,7 @@ logger = logging.getLogger(__name__)
 NOISY_ABOVE = 1e-3
 
 #: Above this relative noise a clean-looking update is checked for weight decay's ``beta W_0``
-#: (:mod:`fl_attack.pipeline.weight_decay`): float32 rounding alone leaves 1e-7 to 2e-5; lr 0.01
+#: (:mod:`fl_attack.pipeline.local_training.weight_decay`): float32 rounding alone leaves 1e-7 to 2e-5; lr 0.01
 #: with weight decay 5e-4 left 5e-4, which the self-check would take for rows exact to 5e-4...
 DECAY_CHECK_ABOVE = 1e-5
 #: ... and it is removed when that leaves at most this fraction of the relative noise,
@@ -119,9 +131,9 @@ class GradientInversionAttack(ABC):
     time_budget
         Seconds within which ``invert`` returns the best reconstruction it has, measured from its
         call; None for no limit. Every stage checks the deadline between bounded chunks of work
-        (:mod:`fl_attack.pipeline.deadline`; a LAPACK call is not started when it would not fit),
+        (:mod:`fl_attack.pipeline.budget.deadline`; a LAPACK call is not started when it would not fit),
         the search leaves time for the final selection and self-check, and on noisy gradients
-        pruning (:func:`fl_attack.pipeline.select.prune_doubtful`) may run 5% of it (30 s at most)
+        pruning (:func:`fl_attack.pipeline.selection.select.prune_doubtful`) may run 5% of it (30 s at most)
         past it: ``invert`` returns within 110% of the budget.
     false_rejection
         Probability of wrongly discarding a correct direction by the sparsity filter
@@ -134,7 +146,7 @@ class GradientInversionAttack(ABC):
     zero_tolerance_factor
         Entries below ``factor * noise`` (relative to a unit column) count as exact zeros.
     split_rounds
-        Rounds of mixture splitting (:mod:`fl_attack.pipeline.mixtures`) after each selection that is
+        Rounds of mixture splitting (:mod:`fl_attack.pipeline.search.mixtures`) after each selection that is
         not yet accepted; 0 disables it, as in the papers.
     patience
         On noisy gradients, stop after this many rounds without a better sparsity matching.
@@ -213,16 +225,16 @@ class GradientInversionAttack(ABC):
             Overrides the attack's known relative noise level for this call.
         head_weight
             ``(c, m)`` global weight of the output layer fed directly by this layer's ReLU: adds
-            proposals guided by its classes (:mod:`fl_attack.pipeline.head_structure`) under the
+            proposals guided by its classes (:mod:`fl_attack.pipeline.side_information.output_layer`) under the
             same deadline, filters, selection and self-check; one that does not fit costs time only.
         local_steps
             Full-batch local SGD steps (FedAvg) if known: above 1 the update must be ``W_E - W_0``
-            itself, matched against both ends (:mod:`fl_attack.pipeline.drift`); None: the
+            itself, matched against both ends (:mod:`fl_attack.pipeline.local_training.drift`); None: the
             attack's own ``local_steps``.
         next_weight_grad
             ``(k, m)`` gradient (or one-step update) of the linear layer fed by this layer's ReLU,
             from the same step: each direction found is certified as one sample through it, and
-            later rounds search past those (:mod:`fl_attack.pipeline.deflation`; clean updates only).
+            later rounds search past those (:mod:`fl_attack.pipeline.side_information.next_layer`; clean updates only).
 
         Returns
         -------
@@ -463,7 +475,7 @@ class GradientInversionAttack(ABC):
         start: float,
         budget: float | None,
     ) -> tuple[ObservedUpdate, LowRankFactors, float] | None:
-        """The update less weight decay's ``beta W_0`` (:mod:`fl_attack.pipeline.weight_decay`) and
+        """The update less weight decay's ``beta W_0`` (:mod:`fl_attack.pipeline.local_training.weight_decay`) and
         its factors, when removing it leaves a clean update; None otherwise."""
         scale = weight_decay_scale(update, batch_size=factors.batch_size, seed=self.seed or 0)
         if scale is None:
@@ -530,7 +542,9 @@ class GradientInversionAttack(ABC):
         dense column are considered, and on wide noisy layers each by its own matching instead.
         """
         pool, (m, b) = state.pool, state.factors.left.shape
-        if uses_trusted_selection(noisy=state.noisy, width=m, batch_size=b):  # fl_attack.pipeline.trusted
+        if uses_trusted_selection(
+            noisy=state.noisy, width=m, batch_size=b
+        ):  # fl_attack.pipeline.noise.one_at_a_time
             return trusted_selection(scorer, pool.directions, pool.excess, deadline=state.finish_by)
         directions, counts = pool.directions, pool.zero_counts
         if state.noisy:

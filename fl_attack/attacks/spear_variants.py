@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from fl_attack.attacks.spear import GradientInversionAttack, SearchState
-from fl_attack.pipeline.aimed_rounds import AimedRound, aimed_round, exact_found, ordinary_lr
-from fl_attack.pipeline.deadline import expired, map_rows, qr_seconds
-from fl_attack.pipeline.search import (
+from fl_attack.pipeline.budget.deadline import expired, map_rows, qr_seconds
+from fl_attack.pipeline.noise.one_at_a_time import round_plan, uses_trusted_selection
+from fl_attack.pipeline.search.aimed_rounds import AimedRound, aimed_round, exact_found, ordinary_lr
+from fl_attack.pipeline.search.sparsity import round_minima
+from fl_attack.pipeline.search.sphere import (
     OPTIMIZERS,
     SettledPruning,
     SphereSchedule,
@@ -25,13 +27,11 @@ from fl_attack.pipeline.search import (
     sampling_rounding,
     sparse_minima,
 )
-from fl_attack.pipeline.sparsity import round_minima
-from fl_attack.pipeline.trusted import round_plan, uses_trusted_selection
 
 #: Batches from this size on save search work where it is costly: points that settle next to an
-#: exact direction or next to each other stop early (:class:`fl_attack.pipeline.search.SettledPruning`),
+#: exact direction or next to each other stop early (:class:`fl_attack.pipeline.search.sphere.SettledPruning`),
 #: and only the minima with enough vanishing entries are rounded
-#: (:func:`fl_attack.pipeline.search.sparse_minima`): at b = 400 rounding 300 minima took 25 s,
+#: (:func:`fl_attack.pipeline.search.sphere.sparse_minima`): at b = 400 rounding 300 minima took 25 s,
 #: longer than optimizing them, and 262 of them were spurious. Smaller batches keep every point:
 #: on 10 look-alike face patches at m = 200, stopping points that were within |cos| 0.999 of each
 #: other at step 250 left the first round without a complete selection (main completes there).
@@ -39,7 +39,7 @@ LARGE_BATCH = 50
 
 #: Starts of a round deflated past certified samples: at most ``b / 2``, at least this many. At
 #: (400, 4000) on CIFAR-10 rounds of 200 certified 5-10 new samples each while 350-400 were
-#: missing, and 30-70 each once fewer than 250 were (fl_attack.pipeline.deflation).
+#: missing, and 30-70 each once fewer than 250 were (fl_attack.pipeline.side_information.next_layer).
 MIN_DEFLATED_STARTS = 64
 
 
@@ -141,7 +141,7 @@ class SpearPlusPlus(GradientInversionAttack):
                 if self.max_initializations is None
                 else min(per_round, self.max_initializations - used)
             )
-            # past the samples the next layer certified (fl_attack.pipeline.deflation); None: everywhere
+            # past the samples the next layer certified (fl_attack.pipeline.side_information.next_layer); None: everywhere
             space = None if state.deflation is None else state.deflation.space(deadline=state.deadline)
             if space is not None and space.shape[1] == 0:
                 return  # every sample is certified
@@ -151,14 +151,14 @@ class SpearPlusPlus(GradientInversionAttack):
             if not state.noisy:
                 lr = ordinary_lr(self.learning_rates, rounds_done=rounds, width=m, batch_size=b)
             if uses_trusted_selection(noisy=state.noisy, width=m, batch_size=b):
-                # heavy noise on a wide layer: aim past the trusted directions (fl_attack.pipeline.trusted)
+                # heavy noise on a wide layer: aim past the trusted directions (fl_attack.pipeline.noise.one_at_a_time)
                 planned, found = round_plan(per_round, rounds_done=rounds, latest=state.latest)
                 count = min(count, planned)
                 n_complement = count if found is not None else 0
             elif space is not None:  # smaller, more frequent rounds
                 count, n_complement = min(count, max(MIN_DEFLATED_STARTS, b // 2)), 0
             elif (aimed := self._aimed_round(state, per_round, rounds, stalled_at)) is not None:
-                # clean: aim past the exact directions (fl_attack.pipeline.aimed_rounds)
+                # clean: aim past the exact directions (fl_attack.pipeline.search.aimed_rounds)
                 count = n_complement = min(count, aimed.starts)
                 found, lr = aimed.avoid, aimed.lr
                 stalled_at = int(found.shape[0])
@@ -214,7 +214,7 @@ class SpearPlusPlus(GradientInversionAttack):
             else:
                 rows = min(m, max(b - 1, int(self.polish_fraction * m)))
                 if large and not state.noisy:
-                    # round only minima sparse enough to be pool candidates (fl_attack.pipeline.search)
+                    # round only minima sparse enough to be pool candidates (fl_attack.pipeline.search.sphere)
                     minima = sparse_minima(left_fast, minima, min_small=state.pool.weak_min_zeros)
                 # without exact zeros, rounding to b - 1 rows would only amplify the noise
                 rounded = round_minima(

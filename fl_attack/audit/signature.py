@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fl_attack.pipeline.decompose import estimate_batch_size
+from fl_attack.pipeline.spectrum.decompose import estimate_batch_size
 
 #: Share of non-zero entries within 5% of the median magnitude above which an update is
 #: sign-like, the mark of per-coordinate scaled steps (Adam & co.): a gradient's entries

@@ -2,7 +2,7 @@
 
 SPEAR-family attacks (:class:`fl_attack.attacks.spear.GradientInversionAttack`) start by
 estimating the batch size from the update's singular values, with the update's rounding floor
-(:func:`fl_attack.pipeline.decompose.estimate_batch_size`). When that estimate finds no
+(:func:`fl_attack.pipeline.spectrum.decompose.estimate_batch_size`). When that estimate finds no
 low-rank structure at all (a batch at least ``min(m, n)``, many local steps), the attack can
 only fail, and its verdict would be ``not-applicable`` from the same spectrum; an update of
 near-equal magnitudes (Adam-like steps) is ``not-applicable`` whatever the attack returns. The
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.pipeline.decompose import estimate_batch_size, rounding_floor
+from fl_attack.pipeline.spectrum.decompose import estimate_batch_size, rounding_floor
 from fl_attack.types import ObservedUpdate
 
 from .layer import LayerDelta

@@ -280,7 +280,7 @@ def _next_layer_reason(attack: Mapping[str, Any], b: int) -> str:
 
 def _certified_note(attack: Mapping[str, Any]) -> str:
     """How many of a partial batch's samples the next layer's update confirmed one by one
-    (:mod:`fl_attack.pipeline.deflation`), when it did."""
+    (:mod:`fl_attack.pipeline.side_information.next_layer`), when it did."""
     certified = int(attack.get("next_layer_certified", 0) or 0)
     return f" ({certified} of them confirmed one by one through the next layer's update)" if certified else ""
 
