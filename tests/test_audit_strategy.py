@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl_attack import Reconstruction
-from fl_attack.audit import Auditor, LayerNotFoundError
+from fl_attack.audit import AttackSettings, Auditor, LayerNotFoundError, SamplingSettings, SecAggSettings
 from fl_attack.audit import select_layer as _select_layer
 from fl_attack.audit.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
 from fl_attack.evaluation.scoring import ReconstructionScorer
@@ -161,7 +161,7 @@ def test_attacker_receives_exact_first_layer_delta() -> None:
     global_arrays = _global_arrays()
     clients = {11: _client_arrays(global_arrays, 1), 22: _client_arrays(global_arrays, 2)}
     attacker = RecordingAttacker()
-    strategy = _audited(_fedavg(), attacker, time_budget=5.0, batch_size=4)
+    strategy = _audited(_fedavg(), attacker, attack=AttackSettings(time_budget=5.0, batch_size=4))
     _configure(strategy, global_arrays)
     replies = [_reply(node, arrays, partition_id=node // 11 - 1) for node, arrays in clients.items()]
 
@@ -245,7 +245,7 @@ def test_attack_failures_are_recorded_and_training_continues(
 def test_attack_timeout_is_recorded_and_training_continues() -> None:
     global_arrays = _global_arrays()
     attacker = SlowAttacker(seconds=30.0)
-    strategy = _audited(_fedavg(), attacker, timeout=0.2)
+    strategy = _audited(_fedavg(), attacker, attack=AttackSettings(timeout=0.2))
     _configure(strategy, global_arrays)
     replies = [_reply(11, _client_arrays(global_arrays, 1)), _reply(22, _client_arrays(global_arrays, 2))]
     start = time.perf_counter()
@@ -271,7 +271,7 @@ def test_unreadable_reply_is_recorded() -> None:
 
 
 def test_wrong_layer_name_lists_available_keys() -> None:
-    strategy = _audited(_fedavg(), RecordingAttacker(), weight_key="fc1.weight")
+    strategy = _audited(_fedavg(), RecordingAttacker(), attack=AttackSettings(weight_key="fc1.weight"))
     with pytest.raises(LayerNotFoundError) as raised:
         _configure(strategy, _global_arrays())
     message = str(raised.value)
@@ -298,7 +298,7 @@ def test_opacus_module_prefix_is_stripped() -> None:
     assert select_layer(prefixed_global, weight_key="_module.0.weight").bias == "0.bias"
 
     attacker = RecordingAttacker()
-    strategy = _audited(_fedavg(), attacker, weight_key="_module.0.weight")
+    strategy = _audited(_fedavg(), attacker, attack=AttackSettings(weight_key="_module.0.weight"))
     _configure(strategy, global_arrays)
     client = _client_arrays(global_arrays, 1)
     strategy.aggregate_train(1, [_reply(11, client, prefix="_module.")])
@@ -320,17 +320,17 @@ def test_attack_selection_by_partition_and_fraction() -> None:
             _reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate(nodes)
         ]
 
-    chosen = _audited(_fedavg(), RecordingAttacker(), attack_partitions=[1, 3])
+    chosen = _audited(_fedavg(), RecordingAttacker(), sampling=SamplingSettings(attack_partitions=[1, 3]))
     _configure(chosen, global_arrays)
     chosen.aggregate_train(1, replies())
     assert [record.client for record in chosen.records] == ["partition-1", "partition-3"]
 
-    half = _audited(_fedavg(), RecordingAttacker(), attack_fraction=0.5, seed=3)
+    half = _audited(_fedavg(), RecordingAttacker(), sampling=SamplingSettings(attack_fraction=0.5), seed=3)
     _configure(half, global_arrays)
     half.aggregate_train(1, replies())
     assert len(half.records) == 2
 
-    none = _audited(_fedavg(), RecordingAttacker(), attack_fraction=0.0)
+    none = _audited(_fedavg(), RecordingAttacker(), sampling=SamplingSettings(attack_fraction=0.0))
     _configure(none, global_arrays)
     arrays, _ = none.aggregate_train(1, replies())
     assert none.records == [] and arrays is not None
@@ -408,7 +408,13 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
         denormalize=lambda x: (torch.as_tensor(x) * 0.1 + 0.5).reshape(-1, 1, 3, 4),
         image_shape=(1, 3, 4),
     )
-    strategy = _audited(_fedavg(), attacker, scorer=scorer, secagg_group_size=2, batch_size=4)
+    strategy = _audited(
+        _fedavg(),
+        attacker,
+        scorer=scorer,
+        attack=AttackSettings(batch_size=4),
+        secagg=SecAggSettings(group_size=2),
+    )
     global_arrays = _global_arrays()
     _configure(strategy, global_arrays)
     clients = {partition: _client_arrays(global_arrays, partition) for partition in member_indices}
@@ -438,7 +444,7 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
 
 def test_secure_aggregation_group_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="secagg_group_size must be a positive integer"):
-        _audited(_fedavg(), RecordingAttacker(), secagg_group_size=0)
+        _audited(_fedavg(), RecordingAttacker(), secagg=SecAggSettings(group_size=0))
 
 
 def test_evaluation_is_delegated() -> None:

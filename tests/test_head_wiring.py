@@ -12,7 +12,7 @@ from torch import nn
 
 from fl_attack import SpearPlusPlus
 from fl_attack.attacks.cocktail_party import CocktailPartyAttack
-from fl_attack.audit import Auditor
+from fl_attack.audit import AttackSettings, Auditor
 from fl_attack.audit.layer import LayerDelta, global_parameters, select_layer
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate
 from fl_attack.audit.workers import accepts_keyword, run_attack
@@ -63,7 +63,7 @@ def _audit(
     with torch.no_grad():
         for parameter, gradient in zip(client.parameters(), gradients, strict=True):
             parameter.sub_(LR * gradient)
-    auditor = Auditor(attacker, batch_size=BATCH, time_budget=30.0)
+    auditor = Auditor(attacker, attack=AttackSettings(batch_size=BATCH, time_budget=30.0))
     auditor.start_round(1, global_arrays)
     sent = _arrays(client)
     update = ClientUpdate(identity=ClientIdentity(node_id=7, partition_id=0), arrays=sent)

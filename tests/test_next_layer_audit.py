@@ -45,7 +45,7 @@ from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     merged_rows,
     route_budget,
 )
-from fl_attack.audit import Auditor  # noqa: E402
+from fl_attack.audit import AttackSettings, Auditor  # noqa: E402
 from fl_attack.audit.layer import LayerDelta, select_layer  # noqa: E402
 from fl_attack.audit.next_layer_stage import with_next_layer  # noqa: E402
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate  # noqa: E402
@@ -74,7 +74,8 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     )
     truth = layer_inputs(received, images).double().numpy()
     auditor = Auditor(
-        get_attack("spear++", device="cpu", seed=0, progress=False), batch_size=32, time_budget=8.0
+        get_attack("spear++", device="cpu", seed=0, progress=False),
+        attack=AttackSettings(batch_size=32, time_budget=8.0),
     )
     auditor.start_round(1, _arrays(received))
     assert auditor.layer is not None and auditor.layer.following == "fc2.weight"

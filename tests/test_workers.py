@@ -116,10 +116,10 @@ def test_worker_process_runs_at_the_chosen_cpu_priority(priority: str, policy: s
 
 
 def test_unknown_worker_priority_is_refused_naming_the_choices() -> None:
-    from fl_attack.audit import Auditor
+    from fl_attack.audit import ExecutionSettings
     from fl_attack.audit.workers import ProcessAttackRunner
 
     with pytest.raises(ValueError, match="priority must be one of idle, low, got 'high'"):
         ProcessAttackRunner(SchedulingAttacker(), priority="high")
     with pytest.raises(ValueError, match="priority must be one of idle, low, got 'realtime'"):
-        Auditor(SchedulingAttacker(), priority="realtime")
+        ExecutionSettings(priority="realtime")

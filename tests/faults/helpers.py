@@ -22,7 +22,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.serverapp.strategy import FedAvg
 
 from fl_attack import Reconstruction, SpearPlusPlus
-from fl_attack.audit import Auditor
+from fl_attack.audit import Auditor, ExecutionSettings
 from fl_attack.audit.protocol import AUDIT_KEY, GROUND_TRUTH_KEY, NUM_EXAMPLES_KEY, PARTITION_ID_KEY
 from fl_attack.results.store import INPUTS_FILE, METRICS_FILE, AttackRecord, ReconstructionStore
 from strategies import HonestButCuriousStrategy
@@ -340,7 +340,7 @@ def start_run(directory: Path, *, attacker: ScriptedAttacker | None = None, **op
     """Audit a FedAvg run into ``directory`` and train round 1 with two honest clients (stored)."""
     scripted = attacker or ScriptedAttacker()
     store = ReconstructionStore(directory, run_config={"suite": "audit-faults"})
-    auditor = Auditor(scripted, store=store, isolation="thread", **options)
+    auditor = Auditor(scripted, store=store, execution=ExecutionSettings(isolation="thread"), **options)
     run = AuditedRun(HonestButCuriousStrategy(plain_fedavg(), auditor), store, scripted, victim_arrays())
     replies = [
         reply(node, training_content(fedsgd_arrays(run.global_arrays, seed=node)[0], partition_id=partition))

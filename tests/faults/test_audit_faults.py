@@ -19,6 +19,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from fl_attack.audit import AttackSettings
 from fl_attack.audit.protocol import GROUND_TRUTH_INPUTS, GROUND_TRUTH_KEY
 from fl_attack.results.store import INPUTS_FILE
 
@@ -382,7 +383,7 @@ def test_two_clients_claiming_one_partition_are_both_stored(tmp_path: Path) -> N
 
 
 def test_an_attack_past_its_timeout_is_abandoned_and_recorded(tmp_path: Path) -> None:
-    run = start_run(tmp_path / "run", timeout=0.3)
+    run = start_run(tmp_path / "run", attack=AttackSettings(timeout=0.3))
     run.attacker.mode = "block"
     replies = honest_replies(run, {11: 0, 22: 1})
     start = time.perf_counter()
