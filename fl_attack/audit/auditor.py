@@ -426,8 +426,9 @@ class Auditor:
         members: list[ClientUpdate],
         details: dict[str, Any],
     ) -> AttackRecord:
-        """The record of a finished attack, scored against the members' ground truth when it returned inputs."""
-        if result.status != STATUS_OK:
+        """The record of a finished attack, scored against the members' ground truth when it returned
+        inputs (a timed-out attack's partial result included)."""
+        if result.reconstruction is None:
             return AttackRecord(**fields)
         inputs = np.asarray(to_numpy(result.reconstruction.inputs), dtype=np.float64)
         scored, scoring_error = self._score(inputs, members, details)
