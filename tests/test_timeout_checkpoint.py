@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import signal
 import stat
 import threading
 import time
@@ -28,6 +29,8 @@ from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, workers
 from fl_attack.audit import checkpoint as checkpoint_module
 from fl_attack.audit.checkpoint import TEMPORARY_SUFFIX, CheckpointFile, read_checkpoint
+from fl_attack.audit.layer import LayerDelta
+from fl_attack.audit.units import attack_summary
 from fl_attack.audit.verdict import decide_verdict
 from fl_attack.progress import report_progress, reporting_to
 from fl_attack.results.store import INPUTS_FILE, METRICS_FILE, ReconstructionStore, load_table
@@ -155,6 +158,45 @@ def test_an_attack_killed_at_its_timeout_keeps_its_last_checkpoint(
     if isolation == "process":
         checkpoints = auditor.runner._checkpoints  # pylint: disable=protected-access
         assert checkpoints is None  # closed: the private checkpoints are gone with the runner
+
+
+class SelfKillingAttacker:
+    """Reports :data:`FIRST` then :data:`SECOND`, then dies as the out-of-memory killer kills."""
+
+    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
+        report_progress(FIRST)
+        report_progress(SECOND)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("SIGKILL returned")
+
+
+def test_a_worker_killed_by_a_signal_keeps_its_last_checkpoint() -> None:
+    rng = np.random.default_rng(0)
+    update = LayerDelta(
+        weight_delta=rng.standard_normal((6, INPUT_DIM)),
+        bias_delta=rng.standard_normal(6),
+        weight=rng.standard_normal((6, INPUT_DIM)),
+        bias=rng.standard_normal(6),
+    )
+    runner = workers.ProcessAttackRunner(SelfKillingAttacker(), priority="low")
+    try:
+        result = runner.run(update, timeout=300.0)
+    finally:
+        runner.close()
+    assert result.status == "killed" and "SIGKILL" in (result.error or "")
+    assert torch.equal(result.reconstruction.inputs, SECOND.inputs)
+    assert result.reconstruction.complete is False and result.reconstruction.stats["partial"] is True
+    summary = attack_summary(result)
+    verdict = decide_verdict(
+        status=result.status,
+        error=result.error,
+        attack=summary,
+        signature=lambda: None,
+        magnitude_concentration=None,
+        input_space=None,
+    )
+    assert verdict.verdict == "failed"
+    assert verdict.reason.endswith("; 2 of 3 rows found so far are kept, not verified as the batch")
 
 
 def test_a_timeout_without_a_checkpoint_keeps_nothing_and_says_so() -> None:

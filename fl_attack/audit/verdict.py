@@ -236,7 +236,7 @@ def decide_verdict(
     if status == STATUS_OUT_OF_MEMORY:
         return Verdict(VERDICT_FAILED, f"the attack ran out of memory: {error}")
     if status == STATUS_KILLED:
-        return Verdict(VERDICT_FAILED, f"the attack's worker was killed: {error}")
+        return Verdict(VERDICT_FAILED, f"the attack's worker was killed: {error}{_kept_note(attack)}")
     return Verdict(VERDICT_FAILED, f"the attack failed: {error}")
 
 
@@ -280,7 +280,7 @@ def _next_layer_reason(attack: Mapping[str, Any], b: int) -> str:
 
 
 def _kept_note(attack: Mapping[str, Any]) -> str:
-    """What an attack stopped at its hard limit had handed back (:mod:`fl_attack.progress`)."""
+    """What an attack stopped at its hard limit (or killed) had handed back (:mod:`fl_attack.progress`)."""
     if not attack.get("partial"):
         return "; it had handed back no partial result, so nothing it found is kept"
     b = int(attack.get("batch_size", 0) or 0)

@@ -94,9 +94,9 @@ class AttackResult:
     status : str
         ``"ok"``, ``"error"``, ``"timeout"`` or ``"out-of-memory"``.
     reconstruction : Any
-        What the attacker returned when ``status`` is ``"ok"``; for a ``"timeout"``, the last
-        partial result it reported (:func:`fl_attack.progress.as_partial`: never complete), or
-        None; None otherwise.
+        What the attacker returned when ``status`` is ``"ok"``; for a ``"timeout"`` or
+        ``"killed"``, the last partial result it reported (:func:`fl_attack.progress.as_partial`:
+        never complete), or None; None otherwise.
     seconds : float
         Wall-clock time until the attack returned, failed or was given up.
     error : str or None
@@ -516,7 +516,7 @@ class ProcessAttackRunner(AttackRunner):
                 return _timed_out(timeout, seconds, "worker killed", used, partial=partial)
             kind, payload, trace = self._connection.recv()
         except (EOFError, OSError, BrokenPipeError):
-            return self._crashed(time.perf_counter() - start)
+            return self._crashed(time.perf_counter() - start, checkpoint=checkpoint)
         remove_checkpoint(checkpoint)  # the job is over: its partial results are not needed
         seconds = time.perf_counter() - start
         if kind == STATUS_OK:
@@ -534,17 +534,22 @@ class ProcessAttackRunner(AttackRunner):
         self._jobs += 1
         return self._checkpoints / f"job-{self._jobs}.pickle"
 
-    def _crashed(self, seconds: float) -> AttackResult:
+    def _crashed(self, seconds: float, *, checkpoint: Path | None = None) -> AttackResult:
+        """The result of a worker that died during the job; one killed by a signal keeps the
+        job's last checkpoint (``checkpoint``), as one killed at the timeout does."""
         process = self._process
         if process is not None:
             process.join(5.0)
         code = None if process is None else process.exitcode
         self._stop(kill=True)
+        partial = None if checkpoint is None else read_checkpoint(checkpoint)
+        if checkpoint is not None:
+            remove_checkpoint(checkpoint)
         if code is not None and code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             return AttackResult(
                 status=STATUS_KILLED,
-                reconstruction=None,
+                reconstruction=None if partial is None else as_partial(partial),
                 seconds=seconds,
                 error=f"the attack worker was killed by {name} (the out-of-memory killer sends SIGKILL)",
             )
