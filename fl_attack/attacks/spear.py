@@ -30,6 +30,7 @@ from fl_attack.pipeline.search.candidates import (
     informative_rows,
     rows_not_in,
 )
+from fl_attack.pipeline.search.progress import report_selection
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, min_sparsity
 from fl_attack.pipeline.selection.near_duplicates import split_blends, twin_self_check
 from fl_attack.pipeline.selection.precision import precision_stats
@@ -435,6 +436,7 @@ class GradientInversionAttack(ABC):
                         improved = best is None or candidate.sparsity_matching > best.sparsity_matching + 1e-3
                         best = candidate
                         state.latest = best
+                        report_selection(best, stats=state.stats, deflation=state.deflation)
                         stale = 0 if improved else stale + 1
                     else:
                         stale += 1

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
-from fl_attack.vocabulary import STATUS_OK
 
 from .layer import LayerKeys
 from .observations import ClientUpdate
@@ -72,13 +71,14 @@ class RecordKeeper:
         members: list[ClientUpdate],
         details: dict[str, Any],
     ) -> AttackRecord:
-        """The record of a finished attack, scored against the members' ground truth when it returned inputs.
+        """The record of a finished attack, scored against the members' ground truth when it returned
+        inputs (a timed-out attack's partial result included).
 
         ``fields`` are the record's fields but its arrays and quality (a scoring failure replaces
         its ``error``); ``details`` is the dict in ``fields``, completed with each member's quality
         for a sum.
         """
-        if result.status != STATUS_OK:
+        if result.reconstruction is None:
             return AttackRecord(**fields)
         inputs = np.asarray(to_numpy(result.reconstruction.inputs), dtype=np.float64)
         scored, scoring_error = self._score(inputs, members, details)
