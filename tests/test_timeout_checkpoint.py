@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from fl_attack import Reconstruction, SpearPlusPlus
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, workers
+from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings, workers
 from fl_attack.audit import checkpoint as checkpoint_module
 from fl_attack.audit.checkpoint import TEMPORARY_SUFFIX, CheckpointFile, read_checkpoint
 from fl_attack.audit.layer import LayerDelta
@@ -126,7 +126,12 @@ def test_an_attack_killed_at_its_timeout_keeps_its_last_checkpoint(
     attacker = CheckpointingAttacker()
     _gate_the_runners(monkeypatch, attacker.checkpointed)
     store = ReconstructionStore.create(tmp_path / "run")
-    auditor = Auditor(attacker, store=store, isolation=isolation, priority="low", timeout=TIMEOUT)
+    auditor = Auditor(
+        attacker,
+        store=store,
+        attack=AttackSettings(timeout=TIMEOUT),
+        execution=ExecutionSettings(isolation=isolation, priority="low"),
+    )
     global_arrays = _global_arrays()
     update = ClientUpdate(
         identity=ClientIdentity(node_id=11, partition_id=0), arrays=_client_arrays(global_arrays, 0)
