@@ -37,6 +37,7 @@ from secagg_example.task import app_config, draw_batch, fedsgd_step, load_data, 
 from fl_attack import get_attack
 from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
 from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.pipeline.budget.budget import hard_limit
 from fl_attack.results.store import load_table
 from fl_attack.simulate.secagg import SecAggPlusQuantization
 
@@ -132,7 +133,7 @@ def simulated(
         get_attack("spear++", device="cpu", seed=0, time_budget=time_budget, progress=False),
         scorer=scorer,
         time_budget=time_budget,
-        timeout=1.5 * time_budget + 15.0,
+        timeout=hard_limit(time_budget),
         isolation="thread",
         secagg_group_size=NUM_CLIENTS,
         secagg_quantization=quantization,
