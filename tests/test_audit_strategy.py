@@ -179,8 +179,8 @@ def test_attacker_receives_exact_first_layer_delta() -> None:
         np.testing.assert_array_equal(kwargs["weight"], global_arrays["0.weight"].astype(np.float64))
         np.testing.assert_array_equal(kwargs["bias"], global_arrays["0.bias"].astype(np.float64))
         # The attacker gets the update and the global layer, nothing about the client's data.
-        assert set(kwargs) == {"weight", "bias", "batch_size", "time_budget"}
-        assert kwargs["batch_size"] == 4 and kwargs["time_budget"] == 5.0
+        assert set(kwargs) == {"weight", "bias", "batch_size", "budget"}
+        assert kwargs["batch_size"] == 4 and kwargs["budget"].seconds == 5.0
     assert [record.client for record in strategy.records] == ["partition-0", "partition-1"]
     assert all(record.status == "ok" for record in strategy.records)
 

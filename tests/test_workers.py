@@ -123,3 +123,39 @@ def test_unknown_worker_priority_is_refused_naming_the_choices() -> None:
         ProcessAttackRunner(SchedulingAttacker(), priority="high")
     with pytest.raises(ValueError, match="priority must be one of idle, low, got 'realtime'"):
         ExecutionSettings(priority="realtime")
+
+
+class BudgetSpy:
+    """Records the budget each call is given."""
+
+    time_budget = 7.0
+
+    def __init__(self) -> None:
+        self.budgets: list[Any] = []
+
+    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
+        self.budgets.append(kwargs["budget"])
+        return _complete(torch.as_tensor(weight_grad[:2], dtype=torch.float64))
+
+
+def test_the_worker_starts_the_attacks_one_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fl_attack.audit.layer import LayerDelta
+    from fl_attack.audit.workers import run_attack
+    from fl_attack.pipeline.budget import budget as budget_module
+    from fl_attack.pipeline.budget.budget import Budget
+
+    monkeypatch.setattr(budget_module, "now", lambda: 50.0)
+    rng = np.random.default_rng(0)
+    arrays = {
+        "weight_delta": rng.standard_normal((WIDTH, INPUT_DIM)),
+        "bias_delta": rng.standard_normal(WIDTH),
+        "weight": rng.standard_normal((WIDTH, INPUT_DIM)),
+        "bias": rng.standard_normal(WIDTH),
+    }
+    alone = LayerDelta(**arrays)
+    followed = LayerDelta(**arrays, next_weight_delta=rng.standard_normal((3, WIDTH)), after_layers=True)
+    spy = BudgetSpy()
+    assert run_attack(spy, alone, time_budget=4.0).status == "ok"
+    assert run_attack(spy, alone).status == "ok"  # no audit budget: the attacker's own
+    assert run_attack(spy, followed, time_budget=4.0).status == "ok"  # the route may follow: half
+    assert spy.budgets == [Budget(4.0, started=50.0), Budget(7.0, started=50.0), Budget(2.0, started=50.0)]

@@ -45,6 +45,7 @@ from fl_attack.audit import (
     SecAggSettings,
 )
 from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.pipeline.budget.budget import hard_limit
 from fl_attack.results.store import load_table
 from fl_attack.simulate.secagg import SecAggPlusQuantization
 
@@ -139,7 +140,7 @@ def simulated(
     auditor = Auditor(
         get_attack("spear++", device="cpu", seed=0, time_budget=time_budget, progress=False),
         scorer=scorer,
-        attack=AttackSettings(time_budget=time_budget, timeout=1.5 * time_budget + 15.0),
+        attack=AttackSettings(time_budget=time_budget, timeout=hard_limit(time_budget)),
         execution=ExecutionSettings(isolation="thread"),
         secagg=SecAggSettings(group_size=NUM_CLIENTS, quantization=quantization),
     )

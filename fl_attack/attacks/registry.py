@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike
 
@@ -25,7 +26,7 @@ class LayerAttack(Protocol):
         weight: ArrayLike,
         bias: ArrayLike,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Recover the batch of inputs behind one observed update."""
         ...

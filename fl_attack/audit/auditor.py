@@ -54,7 +54,7 @@ class Auditor:
     ----------
     attacker : Attacker
         Gradient-inversion attack with ``invert(weight_grad, bias_grad, *, weight, bias,
-        batch_size, time_budget)`` (e.g. ``fl_attack.SpearPlusPlus``).
+        batch_size, budget)`` (e.g. ``fl_attack.SpearPlusPlus``).
     store : ReconstructionStore or None (default: None)
         Where reconstructions, verdicts and quality are written; None keeps them in
         :attr:`records` only. With a store, records keep no arrays (bounded memory).

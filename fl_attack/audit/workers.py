@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.progress import as_partial, report_progress, reporting_to
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.vocabulary import (
@@ -54,7 +55,7 @@ from .checkpoint import (
     remove_checkpoint,
 )
 from .layer import LayerDelta
-from .next_layer_stage import exact_attack_budget, with_next_layer
+from .next_layer_stage import with_next_layer
 
 #: Seconds a new worker process may take to import the attack before it is given up.
 WORKER_STARTUP_TIMEOUT = 300.0
@@ -71,9 +72,12 @@ class Attacker(Protocol):
         weight: np.ndarray,
         bias: np.ndarray,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Any:
         """Recover the layer inputs behind ``(weight_grad, bias_grad)``.
+
+        ``budget`` is the attack's one time budget, started by the audit's worker just before the
+        call (the audit's ``time_budget`` seconds, else the attacker's own ``time_budget``).
 
         An attacker whose ``invert`` also takes ``head_weight=`` is given the global weight of
         the output layer when it directly follows the attacked layer, and one that takes
@@ -160,23 +164,22 @@ def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time
     extra = {
         name: value for name, value in given.items() if value is not None and accepts_keyword(attacker, name)
     }
-    budget = time_budget if time_budget is not None else getattr(attacker, "time_budget", None)
+    # the attack's one budget, started here (in the worker) once per attack
+    budget = Budget.start(time_budget if time_budget is not None else getattr(attacker, "time_budget", None))
     route_may_follow = update.next_weight_delta is not None and update.after_layers
-    started = time.perf_counter()
     reconstruction = attacker.invert(
         update.weight_delta,
         update.bias_delta,
         weight=update.weight,
         bias=update.bias,
         batch_size=batch_size,
-        time_budget=exact_attack_budget(budget) if route_may_follow else time_budget,
+        budget=budget.exact_attack_share() if route_may_follow else budget,
         **extra,
     )
     if not route_may_follow:
         return reconstruction
     report_progress(reconstruction)  # kept should the next-layer route not finish in time
-    left = None if budget is None else budget - (time.perf_counter() - started)
-    return with_next_layer(reconstruction, update, time_budget=left, seed=getattr(attacker, "seed", None))
+    return with_next_layer(reconstruction, update, budget=budget, seed=getattr(attacker, "seed", None))
 
 
 def _failure(error: BaseException, seconds: float, trace: str | None) -> AttackResult:
@@ -279,7 +282,8 @@ def run_attack(
     batch_size : int or None (default: None)
         Batch size handed to the attacker; None lets it estimate the batch size.
     time_budget : float or None (default: None)
-        Seconds the attacker is asked to stay within.
+        Seconds the attacker is asked to stay within (None: the attacker's own ``time_budget``):
+        the attack's one :class:`fl_attack.Budget`, started in the worker just before the call.
     timeout : float or None (default: None)
         Hard limit in seconds after which the attack is abandoned (its thread keeps
         running until the attacker returns) with the last partial result it reported;

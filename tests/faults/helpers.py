@@ -24,6 +24,7 @@ from flwr.serverapp.strategy import FedAvg
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.audit import Auditor, ExecutionSettings
 from fl_attack.audit.protocol import AUDIT_KEY, GROUND_TRUTH_KEY, NUM_EXAMPLES_KEY, PARTITION_ID_KEY
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.results.store import INPUTS_FILE, METRICS_FILE, AttackRecord, ReconstructionStore
 from strategies import HonestButCuriousStrategy
 
@@ -147,7 +148,7 @@ class ScriptedAttacker:
         weight: np.ndarray,
         bias: np.ndarray,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Behave as :attr:`mode` says."""
         self.received.append(np.array(weight_grad, copy=True))
@@ -163,7 +164,7 @@ class ScriptedAttacker:
                 weight=weight,
                 bias=bias,
                 batch_size=batch_size,
-                time_budget=time_budget,
+                budget=budget,
             )
         return Reconstruction(
             inputs=torch.as_tensor(echo(weight_grad, repeat=self.repeat)),
