@@ -6,7 +6,7 @@ Two runners share one interface:
   process. Cheap, and it sees in-memory attacker objects, but an attack that exceeds
   the timeout can only be abandoned: it keeps its CPU and memory until it returns.
 * :class:`ProcessAttackRunner` keeps the attacker in a separate worker process
-  (``spawn``ed once and reused). An attack that exceeds the timeout is killed, which
+  (started once and reused: forked for a CPU attack, :func:`worker_start_method`). An attack that exceeds the timeout is killed, which
   frees its CPU and (GPU) memory, and even a worker killed by the operating system's
   out-of-memory killer only costs that one attack.
 
@@ -56,6 +56,9 @@ from .checkpoint import (
 )
 from .layer import LayerDelta
 from .next_layer_stage import with_next_layer
+
+#: How often an idle worker process checks that the server that started it is still alive.
+PARENT_CHECK_SECONDS = 1.0
 
 #: Seconds a new worker process may take to import the attack before it is given up.
 WORKER_STARTUP_TIMEOUT = 300.0
@@ -399,9 +402,18 @@ def _worker_main(connection: Connection, attacker: Attacker, priority: str = "id
     """Worker loop: receive ``(update, batch_size, time_budget, checkpoint)``, send pickled
     results; the attack's partial results go to the file ``checkpoint`` meanwhile."""
     _yield_the_cores(priority)
+    # Ctrl-C reaches the whole process group: the server handles it and stops its workers (a
+    # forked worker would otherwise run the server's own handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server = os.getppid()
     connection.send(("ready", None, None))
     while True:
         try:
+            # other workers forked later hold copies of this pipe's server end, so a server that
+            # died leaves no end-of-file here: its worker notices that it was re-parented instead
+            while not connection.poll(PARENT_CHECK_SECONDS):
+                if os.getppid() != server:
+                    return
             job = connection.recv()
         except (EOFError, OSError):
             return
@@ -418,11 +430,35 @@ def _worker_main(connection: Connection, attacker: Attacker, priority: str = "id
             connection.send((kind, f"{type(error).__name__}: {error}", traceback.format_exc()))
 
 
+def worker_start_method(attacker: Attacker) -> str:
+    """How a worker process for ``attacker`` starts: ``"fork"`` for a CPU attack on Linux, else
+    ``"spawn"``.
+
+    A forked worker shares the server's pages (torch's libraries alone take ~300 MiB in every new
+    process that imports them) and only its own work is new memory: +32 MiB of the two processes'
+    proportional set size after a SPEAR++ attack on a 200 x 3072 layer, against +387 MiB for a
+    spawned worker. It also never
+    re-runs the server's ``__main__`` module, as ``spawn`` does. A CUDA attack needs ``spawn``: a
+    forked child cannot use a CUDA context its parent holds.
+    """
+    if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    import torch  # pylint: disable=import-outside-toplevel
+
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "spawn"
+    device = str(getattr(attacker, "device", "cpu"))
+    if device == "cpu":
+        return "fork"
+    return "spawn" if device.startswith("cuda") or torch.cuda.is_available() else "fork"
+
+
 class ProcessAttackRunner(AttackRunner):
     """Run the attacker in a persistent worker process that is killed on timeout.
 
-    The attacker object is pickled into a ``spawn``ed worker when the first attack
-    starts; the worker is reused for later attacks and restarted after a timeout or
+    The worker starts when the first attack does (:func:`worker_start_method`: forked from the
+    server process for a CPU attack, ``spawn``ed with the pickled attacker otherwise); it is
+    reused for later attacks and restarted after a timeout or
     a crash. Worker start-up time does not count against the timeout. The attack's partial
     results are checkpointed to a private file (:class:`fl_attack.audit.checkpoint.CheckpointFile`)
     that the runner reads when it kills the worker at the timeout.
@@ -431,18 +467,21 @@ class ProcessAttackRunner(AttackRunner):
     ----------
     attacker : Attacker
         A picklable attacker (e.g. ``fl_attack.SpearPlusPlus``).
-    start_method : str (default: "spawn")
-        ``multiprocessing`` start method; ``spawn`` is safe with threads and CUDA.
+    start_method : str or None (default: None)
+        ``multiprocessing`` start method; None chooses :func:`worker_start_method`.
     priority : str (default: "idle")
         The worker's CPU priority, ``"idle"`` or ``"low"`` (see :data:`WORKER_PRIORITIES`).
     """
 
-    def __init__(self, attacker: Attacker, *, start_method: str = "spawn", priority: str = "idle") -> None:
+    def __init__(
+        self, attacker: Attacker, *, start_method: str | None = None, priority: str = "idle"
+    ) -> None:
         if priority not in WORKER_PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
         super().__init__(attacker)
         self.priority = priority
-        self._context: Any = multiprocessing.get_context(start_method)
+        self.start_method = start_method or worker_start_method(attacker)
+        self._context: Any = multiprocessing.get_context(self.start_method)
         self._process: Any = None
         self._connection: Connection | None = None
         self._checkpoints: Path | None = None
