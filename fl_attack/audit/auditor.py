@@ -117,6 +117,12 @@ class Auditor:
             None if store is None or self.pool is None else QueueSpill(store.directory / SPILL_FOLDER)
         )
         self._global_layer: dict[int, GlobalLayer] = {}
+        # a forked worker started now, while the server holds no client's reply yet, keeps little
+        # of the server's later memory as its own (ProcessAttackRunner.prestart)
+        if self.pool is not None:
+            self._pool_runners.prestart()
+        else:
+            self.runner.prestart()
 
     @property
     def store(self) -> ReconstructionStore | None:

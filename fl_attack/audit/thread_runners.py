@@ -21,16 +21,29 @@ class RunnerPerThread:
         self._make = make
         self._local = threading.local()
         self._made: list[AttackRunner] = []
+        self._spare: list[AttackRunner] = []
         self._lock = threading.Lock()
 
+    def prestart(self) -> None:
+        """Make one runner now and start it (:meth:`AttackRunner.prestart`); the first thread
+        that asks for a runner takes it."""
+        runner = self._make()
+        runner.prestart()
+        with self._lock:
+            self._made.append(runner)
+            self._spare.append(runner)
+
     def get(self) -> AttackRunner:
-        """This thread's runner, made on first use."""
+        """This thread's runner: a prestarted one if one is spare, else made on first use."""
         runner: AttackRunner | None = getattr(self._local, "value", None)
         if runner is None:
-            runner = self._make()
-            self._local.value = runner
             with self._lock:
-                self._made.append(runner)
+                runner = self._spare.pop() if self._spare else None
+            if runner is None:
+                runner = self._make()
+                with self._lock:
+                    self._made.append(runner)
+            self._local.value = runner
         return runner
 
     def close(self) -> None:

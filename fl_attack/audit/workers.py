@@ -55,6 +55,7 @@ from .checkpoint import (
     remove_checkpoint,
 )
 from .layer import LayerDelta
+from .memory import release_freed_memory
 from .next_layer_stage import with_next_layer
 
 #: How often an idle worker process checks that the server that started it is still alive.
@@ -337,6 +338,10 @@ class AttackRunner(ABC):
     ) -> AttackResult:
         """Invert one update (see :func:`run_attack` for the parameters)."""
 
+    def prestart(self) -> None:  # noqa: B027 - a runner without a worker has nothing to start
+        """Start what the runner needs before its first attack, where starting it early saves
+        memory (:meth:`ProcessAttackRunner.prestart`)."""
+
     def close(self) -> None:  # noqa: B027 - a runner without resources has nothing to release
         """Release the runner's resources; it can still be used afterwards."""
 
@@ -424,6 +429,7 @@ def _worker_main(connection: Connection, attacker: Attacker, priority: str = "id
             with reporting_to(CheckpointFile(checkpoint)):
                 payload = pickle.dumps(_invert(attacker, update, batch_size, time_budget))
             connection.send(("ok", payload, None))
+            release_freed_memory()  # the attack's temporaries, freed in whatever order
         except BaseException as error:  # pylint: disable=broad-exception-caught
             kind = "out-of-memory" if is_out_of_memory(error) else "error"
             _release_accelerator_memory()
@@ -486,6 +492,18 @@ class ProcessAttackRunner(AttackRunner):
         self._connection: Connection | None = None
         self._checkpoints: Path | None = None
         self._jobs = 0
+
+    def prestart(self) -> None:
+        """Fork the worker now rather than at the first attack.
+
+        A forked worker keeps, as its own memory, every page of the server that the server
+        changes after the fork; forked while the server is small (when the audit is set up,
+        before any client's reply arrives) it keeps little. A spawned worker starts at the first
+        attack as before (its imports take seconds). A failed start is retried at the first attack.
+        """
+        if self.start_method == "fork" and (self._process is None or not self._process.is_alive()):
+            if self._start() is not None:
+                self._stop(kill=True)
 
     def _start(self) -> str | None:
         """Start the worker; return why it failed, or None."""
