@@ -7,8 +7,8 @@ from typing import Any
 
 from flwr.app import UserConfigValue
 
-from fl_attack import get_attack
-from fl_attack.audit import Attacker, Auditor
+from fl_attack import LayerAttack, get_attack
+from fl_attack.audit import Auditor
 from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.store import ReconstructionStore
 from fl_attack.simulate.secagg import FLOWER_DEFAULTS
@@ -16,7 +16,7 @@ from fl_attack.simulate.secagg import FLOWER_DEFAULTS
 from .run_config import RunConfigError, attack_timeout, parse_partitions, resolve_audit_config
 
 
-def build_attacker(config: Mapping[str, UserConfigValue]) -> Attacker:
+def build_attacker(config: Mapping[str, UserConfigValue]) -> LayerAttack:
     """The registered attack ``attack-name`` (default SPEAR++) on ``attack-device``.
 
     ``attack-local-steps`` above 1 is given to the attack (SPEAR and SPEAR++ take it); it needs
@@ -60,7 +60,7 @@ def build_auditor(
     overrides: Mapping[str, UserConfigValue] | None = None,
     *,
     scorer: ReconstructionScorer | None = None,
-    attacker: Attacker | None = None,
+    attacker: LayerAttack | None = None,
     store: ReconstructionStore | None | Any = ...,
 ) -> Auditor:
     """An :class:`Auditor` from the audit keys of a run config (other keys are ignored).
@@ -73,7 +73,7 @@ def build_auditor(
         Audit keys taking precedence.
     scorer : ReconstructionScorer or None (default: None)
         Scores reconstructions against ground truth clients send.
-    attacker : Attacker or None (default: None)
+    attacker : LayerAttack or None (default: None)
         The attack; None builds ``attack-name`` from the registry.
     store : ReconstructionStore or None (default: opened from ``output-dir``)
         Where to write; None keeps records in memory only.

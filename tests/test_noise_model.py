@@ -50,7 +50,7 @@ def _noisy_case(batch: int = 10, width: int = 200, factor: float = 0.25, seed: i
     update = ObservedUpdate.from_arrays(
         noisy_w, noisy_b, weight=layer.weight.detach(), bias=layer.bias.detach(), device="cpu"
     )
-    factors = decompose(update.weight_grad, batch_size=batch)
+    factors = decompose(update.weight_update, batch_size=batch)
     truth = output_gradient(model, images, labels)
     # the true directions as the attacker's subspace can represent them
     coordinates = (truth / truth.norm(dim=1, keepdim=True)) @ factors.left

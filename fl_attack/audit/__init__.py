@@ -8,20 +8,18 @@ into :class:`ClientUpdate` objects.
 """
 
 from fl_attack.audit.auditor import Auditor
-from fl_attack.audit.layer import LayerDelta, LayerKeys, LayerNotFoundError, select_layer
+from fl_attack.audit.layer import LayerKeys, LayerNotFoundError, select_layer
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate, GroundTruth
 from fl_attack.audit.signature import UpdateSignature, update_signature
 from fl_attack.audit.verdict import Verdict, decide_verdict, not_applicable_reason
-from fl_attack.audit.workers import Attacker, AttackResult, make_runner
+from fl_attack.audit.workers import AttackResult, make_runner
 
 __all__ = [
     "AttackResult",
-    "Attacker",
     "Auditor",
     "ClientIdentity",
     "ClientUpdate",
     "GroundTruth",
-    "LayerDelta",
     "LayerKeys",
     "LayerNotFoundError",
     "UpdateSignature",

@@ -20,6 +20,7 @@ import numpy as np
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
 from fl_attack.simulate.secagg import SecAggPlusQuantization
+from fl_attack.types import LayerAttack, LayerUpdate
 from fl_attack.validation import check_batch_size, check_time_budget
 from fl_attack.vocabulary import (
     STATUS_DROPPED,
@@ -31,7 +32,7 @@ from fl_attack.vocabulary import (
 )
 
 from .fallback import build_fallback
-from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, select_layer
+from .layer import LayerKeys, NamedArrays, SentLayer, select_layer
 from .memory import release_freed_memory
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
@@ -50,7 +51,7 @@ from .units import (
     unit_name,
 )
 from .verdict import Verdict, decide_verdict
-from .workers import WORKER_PRIORITIES, Attacker, AttackResult, AttackRunner, make_runner
+from .workers import WORKER_PRIORITIES, AttackResult, AttackRunner, make_runner
 
 if TYPE_CHECKING:
     from fl_attack.evaluation.scoring import ReconstructionScorer, Scored
@@ -63,9 +64,8 @@ class Auditor:
 
     Parameters
     ----------
-    attacker : Attacker
-        Gradient-inversion attack with ``invert(weight_grad, bias_grad, *, weight, bias,
-        batch_size, time_budget)`` (e.g. ``fl_attack.SpearPlusPlus``).
+    attacker : LayerAttack
+        The gradient-inversion attack run on each update (e.g. ``fl_attack.SpearPlusPlus``).
     store : ReconstructionStore or None (default: None)
         Where reconstructions, verdicts and quality are written; None keeps them in
         :attr:`records` only. With a store, records keep no arrays (bounded memory).
@@ -114,13 +114,13 @@ class Auditor:
         Ray resources of one attack.
     progress : bool (default: False)
         Show the queue's progress on stderr.
-    fallback : str or Attacker or None (default: None)
+    fallback : str or LayerAttack or None (default: None)
         Approximate second attack on updates not recovered exactly (:mod:`fl_attack.audit.fallback`).
     """
 
     def __init__(
         self,
-        attacker: Attacker,
+        attacker: LayerAttack,
         *,
         store: ReconstructionStore | None = None,
         scorer: ReconstructionScorer | None = None,
@@ -144,7 +144,7 @@ class Auditor:
         attack_cpus: float = 1.0,
         attack_gpus: float = 0.0,
         progress: bool = False,
-        fallback: str | Attacker | None = None,
+        fallback: str | LayerAttack | None = None,
     ) -> None:
         if not 0.0 <= attack_fraction <= 1.0:
             raise ValueError(f"attack_fraction must be in [0, 1], got {attack_fraction}")
@@ -374,7 +374,7 @@ class Auditor:
         batch_size = None if self.batch_size is None else self.batch_size * len(members)
         started_at = time.time()
         signature: Callable[[], UpdateSignature] = functools.cache(
-            functools.partial(update_signature, delta.weight_delta)
+            functools.partial(update_signature, delta.weight_update)
         )  # computed once, and only when needed
         ruled_out = self._ruled_out(delta, members, signature) if batch_size is None else None
         if ruled_out is not None:
@@ -443,7 +443,10 @@ class Auditor:
         )
 
     def _ruled_out(
-        self, delta: LayerDelta, members: list[ClientUpdate], signature: Callable[[], UpdateSignature]
+        self,
+        delta: LayerUpdate[np.ndarray],
+        members: list[ClientUpdate],
+        signature: Callable[[], UpdateSignature],
     ) -> SpectrumRuling | None:
         """What the spectrum says of an update it rules out (:mod:`.spectrum_check`), or None."""
         if not self._spectrum_guided:
@@ -463,7 +466,7 @@ class Auditor:
         self,
         result: AttackResult,
         summary: Mapping[str, Any],
-        delta: LayerDelta,
+        delta: LayerUpdate[np.ndarray],
         members: list[ClientUpdate],
         signature: Callable[[], UpdateSignature],
     ) -> Verdict:
@@ -473,7 +476,7 @@ class Auditor:
             error=result.error,
             attack=summary,
             signature=signature,
-            magnitude_concentration=magnitude_concentration(delta.weight_delta),
+            magnitude_concentration=magnitude_concentration(delta.weight_update),
             input_space=self.layer.input_space if self.layer else None,
             train_mode=modes.pop() if len(modes) == 1 else None,
             time_budget=self.time_budget,

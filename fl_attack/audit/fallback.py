@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fl_attack.results.store import AttackRecord
+from fl_attack.types import LayerAttack
 from fl_attack.vocabulary import (
     STATUS_ERROR,
     STATUS_NOT_RUN,
@@ -37,7 +38,7 @@ from fl_attack.vocabulary import (
 )
 
 from .units import Prepared, attack_summary, total_examples, unit_name
-from .workers import Attacker, AttackResult, AttackRunner, make_runner
+from .workers import AttackResult, AttackRunner, make_runner
 
 if TYPE_CHECKING:
     from .auditor import Auditor
@@ -52,14 +53,14 @@ FALLBACK_AFTER = (VERDICT_APPROXIMATE, VERDICT_FAILED, VERDICT_TIMEOUT, VERDICT_
 
 
 def build_fallback(
-    fallback: str | Attacker | None, *, seed: int = 0, time_budget: float | None = None
+    fallback: str | LayerAttack | None, *, seed: int = 0, time_budget: float | None = None
 ) -> AttackFallback:
     """The fallback named ``fallback`` (a registered attack), an attacker object, or none (disabled).
 
     Parameters
     ----------
-    fallback : str or Attacker or None
-        ``"cocktail-party"``, another registered attack's name, an object with ``invert``,
+    fallback : str or LayerAttack or None
+        ``"cocktail-party"``, another registered attack's name, an attack object,
         or ``None`` / ``""`` / ``"none"`` for no fallback.
     seed : int (default: 0)
         Seeds a fallback built by name.
@@ -78,10 +79,8 @@ def build_fallback(
 
         name = fallback.strip()
         return AttackFallback(get_attack(name, seed=seed, time_budget=time_budget), name=name)
-    if not callable(getattr(fallback, "invert", None)):
-        raise ValueError(
-            f"fallback must be an attack name, an attacker with invert() or None, got {fallback!r}"
-        )
+    if not isinstance(fallback, LayerAttack):
+        raise ValueError(f"fallback must be an attack name, a LayerAttack or None, got {fallback!r}")
     return AttackFallback(fallback, name=str(getattr(fallback, "name", type(fallback).__name__)))
 
 
@@ -90,13 +89,13 @@ class AttackFallback:
 
     Parameters
     ----------
-    attacker : Attacker or None
+    attacker : LayerAttack or None
         The fallback attack; None disables the fallback (:meth:`run` does nothing).
     name : str
         Its name, written to the record's ``attack`` summary.
     """
 
-    def __init__(self, attacker: Attacker | None, *, name: str) -> None:
+    def __init__(self, attacker: LayerAttack | None, *, name: str) -> None:
         self.attacker = attacker
         self.name = name
         self._runners = threading.local()
@@ -114,8 +113,8 @@ class AttackFallback:
                 "the update's spectrum shows no batch of per-sample gradients (see the verdict), so there "
                 "are no sources to unmix"
             )
-        weight_delta = prepared.delta.weight_delta
-        if not np.any(weight_delta):
+        weight_update = prepared.delta.weight_update
+        if not np.any(weight_update):
             return "the update of the attacked layer is zero"
         return None
 
@@ -128,7 +127,7 @@ class AttackFallback:
         reason = self.skip_reason(prepared, primary)
         if reason is not None:
             return reason
-        m, n = prepared.delta.weight_delta.shape
+        m, n = prepared.delta.weight_update.shape
         sources = self.batch_size(auditor, prepared, primary)
         if sources is not None and sources > min(m, n):
             return (

@@ -2,7 +2,7 @@
 
 For a layer whose inputs are ReLU features (layers precede it) and that is directly followed
 by another linear layer, one client's update carries that layer's change too
-(:attr:`fl_attack.audit.layer.LayerDelta.next_weight_delta`). The exact attack then gets
+(:attr:`fl_attack.types.LayerUpdate.next_weight_update`). The exact attack then gets
 :func:`exact_attack_budget` of the time budget; when it did not recover the batch whole,
 :func:`with_next_layer` runs :func:`fl_attack.attacks.next_layer_merge.complete_with_next_layer`
 on it, in the same worker, for the seconds left of the budget, so that both end by the budget.
@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from fl_attack.reconstruction import Reconstruction
-
-from .layer import LayerDelta
+from fl_attack.types import LayerUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ def exact_attack_budget(time_budget: float | None) -> float | None:
 
 
 def with_next_layer(
-    reconstruction: Any, update: LayerDelta, *, time_budget: float | None, seed: int | None
+    reconstruction: Any, update: LayerUpdate[np.ndarray], *, time_budget: float | None, seed: int | None
 ) -> Any:
     """``reconstruction`` completed by the next-layer route where it applies, else unchanged.
 
@@ -46,7 +45,7 @@ def with_next_layer(
     route leaves the exact attack's result as it was, with ``next_layer_error`` in its
     statistics.
     """
-    following = update.next_weight_delta
+    following = update.next_weight_update
     if (
         following is None
         or not update.after_layers
@@ -56,19 +55,11 @@ def with_next_layer(
         or not np.isfinite(following).all()
     ):
         return reconstruction
-    from fl_attack.attacks.next_layer import NextLayerObservation  # the attacks: only when needed
-    from fl_attack.attacks.next_layer_merge import complete_with_next_layer
+    from fl_attack.attacks.next_layer_merge import complete_with_next_layer  # the attacks: only when needed
 
     try:
-        observed = NextLayerObservation(
-            weight=update.weight,
-            bias=update.bias,
-            weight_update=update.weight_delta,
-            bias_update=update.bias_delta,
-            next_weight_update=following,
-        )
         return complete_with_next_layer(
-            reconstruction, observed, time_budget=time_budget, seed=0 if seed is None else seed
+            reconstruction, update, time_budget=time_budget, seed=0 if seed is None else seed
         )
     except (ValueError, ArithmeticError, np.linalg.LinAlgError, RuntimeError) as error:
         # the route is an extra: its failure never costs the exact attack's result

@@ -14,7 +14,7 @@ Two runners share one interface:
 from __future__ import annotations
 
 import contextlib
-import inspect
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -26,10 +26,11 @@ import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from fl_attack.types import OPTIONAL_PARTS, LayerAttack, LayerUpdate
 from fl_attack.vocabulary import (
     STATUS_ERROR,
     STATUS_KILLED,
@@ -38,36 +39,10 @@ from fl_attack.vocabulary import (
     STATUS_TIMEOUT,
 )
 
-from .layer import LayerDelta
 from .next_layer_stage import exact_attack_budget, with_next_layer
 
 #: Seconds a new worker process may take to import the attack before it is given up.
 WORKER_STARTUP_TIMEOUT = 300.0
-
-
-class Attacker(Protocol):
-    """What the strategy needs from a gradient-inversion attack (e.g. ``SpearPlusPlus``)."""
-
-    def invert(
-        self,
-        weight_grad: np.ndarray,
-        bias_grad: np.ndarray,
-        *,
-        weight: np.ndarray,
-        bias: np.ndarray,
-        batch_size: int | None = None,
-        time_budget: float | None = None,
-    ) -> Any:
-        """Recover the layer inputs behind ``(weight_grad, bias_grad)``.
-
-        An attacker whose ``invert`` also takes ``head_weight=`` is given the global weight of
-        the output layer when it directly follows the attacked layer, and one that takes
-        ``next_weight_grad=`` the client's change of the linear layer that follows it
-        (:func:`accepts_keyword`).
-
-        Returns an object with an ``inputs`` attribute holding the ``(b, n)``
-        reconstructed inputs (a :class:`fl_attack.Reconstruction`).
-        """
 
 
 @dataclass(frozen=True)
@@ -117,43 +92,31 @@ def _release_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def accepts_keyword(attacker: Attacker, name: str) -> bool:
-    """Whether the attacker's ``invert`` takes the keyword ``name`` (SPEAR and SPEAR++ take
-    ``head_weight=`` and ``next_weight_grad=``; not every attack does)."""
-    try:
-        parameters = inspect.signature(attacker.invert).parameters
-    except (TypeError, ValueError):  # a builtin or C-implemented invert without a signature
-        return False
-    parameter = parameters.get(name)
-    return parameter is not None and parameter.kind in (
-        inspect.Parameter.KEYWORD_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    )
-
-
-def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time_budget: float | None) -> Any:
-    """The only call into the attacker: the observed update and the global layer (for attackers
-    that take them: the global head weight of a one-hidden-layer model, and the client's change of
-    the following linear layer); then the next-layer route where it applies
-    (:mod:`fl_attack.audit.next_layer_stage`)."""
-    following = update.next_weight_delta
+def offered_update(attacker: LayerAttack, update: LayerUpdate[np.ndarray]) -> LayerUpdate[np.ndarray]:
+    """``update`` as the attacker is given it: of its optional parts only those it uses
+    (:attr:`fl_attack.LayerAttack.uses`), and no next-layer update that is frozen or unreadable
+    (it holds no activations)."""
+    following = update.next_weight_update
     if following is not None and not (np.isfinite(following).all() and np.any(following != 0)):
-        following = None  # a frozen or unreadable next layer holds no activations: attack without it
-    given = {"head_weight": update.head_weight, "next_weight_grad": following}
-    extra = {
-        name: value for name, value in given.items() if value is not None and accepts_keyword(attacker, name)
-    }
+        following = None
+    offered = dataclasses.replace(update, next_weight_update=following)
+    unused: dict[str, Any] = {name: None for name in OPTIONAL_PARTS if name not in attacker.uses}
+    return dataclasses.replace(offered, **unused)
+
+
+def _invert(
+    attacker: LayerAttack, update: LayerUpdate[np.ndarray], batch_size: int | None, time_budget: float | None
+) -> Any:
+    """The only call into the attacker: the observed update with the parts it uses
+    (:func:`offered_update`); then the next-layer route where it applies
+    (:mod:`fl_attack.audit.next_layer_stage`)."""
     budget = time_budget if time_budget is not None else getattr(attacker, "time_budget", None)
-    route_may_follow = update.next_weight_delta is not None and update.after_layers
+    route_may_follow = update.next_weight_update is not None and update.after_layers
     started = time.perf_counter()
-    reconstruction = attacker.invert(
-        update.weight_delta,
-        update.bias_delta,
-        weight=update.weight,
-        bias=update.bias,
+    reconstruction = attacker.attack(
+        offered_update(attacker, update),
         batch_size=batch_size,
         time_budget=exact_attack_budget(budget) if route_may_follow else time_budget,
-        **extra,
     )
     if not route_may_follow:
         return reconstruction
@@ -223,8 +186,8 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 def run_attack(
-    attacker: Attacker,
-    update: LayerDelta,
+    attacker: LayerAttack,
+    update: LayerUpdate[np.ndarray],
     *,
     batch_size: int | None = None,
     time_budget: float | None = None,
@@ -234,9 +197,9 @@ def run_attack(
 
     Parameters
     ----------
-    attacker : Attacker
+    attacker : LayerAttack
         The attack, e.g. ``fl_attack.SpearPlusPlus``.
-    update : LayerDelta
+    update : LayerUpdate[np.ndarray]
         The client's first-layer update and the global layer it started from.
     batch_size : int or None (default: None)
         Batch size handed to the attacker; None lets it estimate the batch size.
@@ -274,13 +237,13 @@ def run_attack(
 class AttackRunner(ABC):
     """Runs an attacker on observed updates; every failure becomes an AttackResult."""
 
-    def __init__(self, attacker: Attacker) -> None:
+    def __init__(self, attacker: LayerAttack) -> None:
         self.attacker = attacker
 
     @abstractmethod
     def run(
         self,
-        update: LayerDelta,
+        update: LayerUpdate[np.ndarray],
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -297,7 +260,7 @@ class ThreadAttackRunner(AttackRunner):
 
     def run(
         self,
-        update: LayerDelta,
+        update: LayerUpdate[np.ndarray],
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -349,7 +312,7 @@ def _yield_the_cores(priority: str, pid: int = 0) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, 19)
 
 
-def _worker_main(connection: Connection, attacker: Attacker, priority: str = "idle") -> None:
+def _worker_main(connection: Connection, attacker: LayerAttack, priority: str = "idle") -> None:
     """Worker loop: receive ``(update, batch_size, time_budget)``, send pickled results."""
     _yield_the_cores(priority)
     connection.send(("ready", None, None))
@@ -379,7 +342,7 @@ class ProcessAttackRunner(AttackRunner):
 
     Parameters
     ----------
-    attacker : Attacker
+    attacker : LayerAttack
         A picklable attacker (e.g. ``fl_attack.SpearPlusPlus``).
     start_method : str (default: "spawn")
         ``multiprocessing`` start method; ``spawn`` is safe with threads and CUDA.
@@ -387,7 +350,7 @@ class ProcessAttackRunner(AttackRunner):
         The worker's CPU priority, ``"idle"`` or ``"low"`` (see :data:`WORKER_PRIORITIES`).
     """
 
-    def __init__(self, attacker: Attacker, *, start_method: str = "spawn", priority: str = "idle") -> None:
+    def __init__(self, attacker: LayerAttack, *, start_method: str = "spawn", priority: str = "idle") -> None:
         if priority not in WORKER_PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
         super().__init__(attacker)
@@ -438,7 +401,7 @@ class ProcessAttackRunner(AttackRunner):
 
     def run(
         self,
-        update: LayerDelta,
+        update: LayerUpdate[np.ndarray],
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -499,7 +462,7 @@ class ProcessAttackRunner(AttackRunner):
         self._stop(kill=False)
 
 
-def make_runner(attacker: Attacker, isolation: str, *, priority: str = "idle") -> AttackRunner:
+def make_runner(attacker: LayerAttack, isolation: str, *, priority: str = "idle") -> AttackRunner:
     """A runner for ``isolation`` ``"thread"`` or ``"process"`` (a worker at ``priority``)."""
     if isolation == "thread":
         return ThreadAttackRunner(attacker)
