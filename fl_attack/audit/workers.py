@@ -97,11 +97,14 @@ def offered_update(attacker: LayerAttack, update: LayerUpdate[np.ndarray]) -> La
     (:attr:`fl_attack.LayerAttack.uses`), and no next-layer update that is frozen or unreadable
     (it holds no activations)."""
     following = update.next_weight_update
-    if following is not None and not (np.isfinite(following).all() and np.any(following != 0)):
-        following = None
-    offered = dataclasses.replace(update, next_weight_update=following)
-    unused: dict[str, Any] = {name: None for name in OPTIONAL_PARTS if name not in attacker.uses}
-    return dataclasses.replace(offered, **unused)
+    unreadable = following is not None and not (np.isfinite(following).all() and np.any(following != 0))
+    left_out: dict[str, Any] = {
+        name: None
+        for name in OPTIONAL_PARTS
+        if getattr(update, name) is not None
+        and (name not in attacker.uses or (name == "next_weight_update" and unreadable))
+    }
+    return dataclasses.replace(update, **left_out) if left_out else update  # nothing left out: no copy
 
 
 def _invert(
