@@ -38,7 +38,7 @@ __all__ = [
 class LayerUpdate(Generic[ArrayT]):
     """One linear layer's update and the global layer it started from, as the server observes them.
 
-    Nothing here is validated yet (:meth:`ObservedUpdate.from_arrays` does that for the attack).
+    Nothing here is validated yet (:meth:`ObservedUpdate.from_update` does that for the attack).
     The update may be the gradient itself or any update proportional to it (``W_new - W_old``
     after a FedSGD step): the exact attacks are invariant to sign and scale.
 
@@ -73,7 +73,8 @@ class LayerUpdate(Generic[ArrayT]):
     noise_level: float | None = None
 
     def __add__(self: LayerUpdate[np.ndarray], other: LayerUpdate[np.ndarray]) -> LayerUpdate[np.ndarray]:
-        """The sum of two clients' updates of the same global layer (secure aggregation)."""
+        """The sum of two clients' updates of the same global layer (secure aggregation); the sum's
+        ``local_steps`` and ``noise_level`` are not known (None)."""
         return LayerUpdate(
             weight_update=self.weight_update + other.weight_update,
             bias_update=self.bias_update + other.bias_update,
