@@ -65,8 +65,8 @@ def run(
     data = load_dataset("cifar10", split="train")
     model = build_victim("spear++", input_dim=data.input_dim, width=width, num_classes=10, seed=seed)
     attacks: dict[str, LayerAttackBase] = {
-        "cocktail-party": CocktailPartyAttack(seed=seed),
-        "spear++": SpearPlusPlus(seed=seed, progress=False),
+        "cocktail-party": CocktailPartyAttack(seed=seed, time_budget=cpa_time_budget),
+        "spear++": SpearPlusPlus(seed=seed, time_budget=time_budget, progress=False),
     }
     rows: list[dict[str, object]] = []
     for b in batch_sizes:
@@ -88,7 +88,6 @@ def run(
                     weight=layer.weight,
                     bias=layer.bias,
                     batch_size=None if exact else b,
-                    time_budget=time_budget if exact else cpa_time_budget,
                 )
                 seconds = time.perf_counter() - start
                 results[name].append((*_score(rec.inputs, inputs, data), seconds))

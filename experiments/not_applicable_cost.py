@@ -32,7 +32,13 @@ def measure(steps: int, *, isolation: str, repeats: int, time_budget: float) -> 
     from cnn_example.task import Net, train  # pylint: disable=import-outside-toplevel
 
     from fl_attack import get_attack  # pylint: disable=import-outside-toplevel
-    from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate  # pylint: disable=import-outside-toplevel
+    from fl_attack.audit import (  # pylint: disable=import-outside-toplevel
+        AttackSettings,
+        Auditor,
+        ClientIdentity,
+        ClientUpdate,
+        ExecutionSettings,
+    )
     from fl_attack.data.images import load_dataset  # pylint: disable=import-outside-toplevel
 
     data = load_dataset("photo-patches", split="train")
@@ -48,7 +54,11 @@ def measure(steps: int, *, isolation: str, repeats: int, time_budget: float) -> 
     )
     sent = {key: value.detach().numpy() for key, value in net.state_dict().items()}
     attacker = get_attack("spear++", device="cpu", seed=0, time_budget=time_budget, progress=False)
-    auditor = Auditor(attacker, isolation=isolation, time_budget=time_budget, fallback="cocktail-party")
+    auditor = Auditor(
+        attacker,
+        attack=AttackSettings(time_budget=time_budget, fallback="cocktail-party"),
+        execution=ExecutionSettings(isolation=isolation),
+    )
     seconds = []
     for server_round in range(1, repeats + 1):
         auditor.start_round(server_round, received)

@@ -153,7 +153,7 @@ def throughput(spec: Mapping[str, Any]) -> dict[str, Any]:
     """
     import torch
 
-    from fl_attack.audit import Auditor
+    from fl_attack.audit import AttackSettings, Auditor, ExecutionSettings
     from strategies.factory import build_attacker
     from strategies.run_config import attack_timeout, resolve_run_config
 
@@ -167,10 +167,10 @@ def throughput(spec: Mapping[str, Any]) -> dict[str, Any]:
         for workers in spec["workers"]:
             auditor = Auditor(
                 build_attacker(config),
-                isolation="process",
-                workers=int(workers),
-                time_budget=float(config["attack-time-budget"]),
-                timeout=attack_timeout(config),
+                attack=AttackSettings(
+                    time_budget=float(config["attack-time-budget"]), timeout=attack_timeout(config)
+                ),
+                execution=ExecutionSettings(isolation="process", workers=int(workers)),
             )
             try:
                 auditor.start_round(1, global_arrays)

@@ -19,11 +19,13 @@ from fl_attack.attacks import (
     get_attack,
     register_attack,
 )
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.pipeline.search.sphere import SURROGATES, SphereSchedule
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import LayerAttack, LayerUpdate, ObservedUpdate
 
 __all__ = [
+    "Budget",
     "CocktailPartyAttack",
     "GradientInversionAttack",
     "InvertingGradients",

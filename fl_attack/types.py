@@ -13,6 +13,7 @@ from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.validation import resolve_device
 
@@ -106,10 +107,11 @@ class LayerAttack(Protocol):
         /,
         *,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Recover the batch of inputs behind ``update`` (``batch_size``: None estimates it;
-        ``time_budget``: seconds, None for the attack's own)."""
+        ``budget``: the attack's time budget, already started, None for one the attack starts
+        from its own seconds)."""
         ...
 
 

@@ -8,7 +8,13 @@ from typing import Any
 from flwr.app import UserConfigValue
 
 from fl_attack import LayerAttack, get_attack
-from fl_attack.audit import Auditor
+from fl_attack.audit import (
+    AttackSettings,
+    Auditor,
+    ExecutionSettings,
+    SamplingSettings,
+    SecAggSettings,
+)
 from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.store import ReconstructionStore
 from fl_attack.simulate.secagg import FLOWER_DEFAULTS
@@ -84,25 +90,33 @@ def build_auditor(
         attacker if attacker is not None else build_attacker(config),
         store=build_store(config) if store is ... else store,
         scorer=scorer,
-        weight_key=str(config["attack-weight-key"]) or None,
-        bias_key=str(config["attack-bias-key"]) or None,
-        attack_fraction=float(config["attack-fraction"]),
-        attack_partitions=parse_partitions(str(config["attack-partitions"])),
-        batch_size=batch_size or None,
-        time_budget=float(config["attack-time-budget"]),
-        timeout=attack_timeout(config),
-        isolation=str(config["attack-isolation"]),
-        priority=str(config["attack-priority"]),
+        attack=AttackSettings(
+            weight_key=str(config["attack-weight-key"]) or None,
+            bias_key=str(config["attack-bias-key"]) or None,
+            batch_size=batch_size or None,
+            time_budget=float(config["attack-time-budget"]),
+            timeout=attack_timeout(config),
+            fallback=str(config["attack-fallback"]),
+        ),
+        execution=ExecutionSettings(
+            isolation=str(config["attack-isolation"]),
+            priority=str(config["attack-priority"]),
+            workers=int(config["attack-workers"]),
+            queue_size=int(config["attack-queue-size"]) or None,
+            queue_policy=str(config["attack-queue"]),
+            backend=str(config["attack-backend"]),
+            ray_address=str(config["ray-address"]) or None,
+            attack_cpus=float(config["attack-cpus"]),
+            attack_gpus=float(config["attack-gpus"]),
+            progress=True,
+        ),
+        sampling=SamplingSettings(
+            attack_fraction=float(config["attack-fraction"]),
+            attack_partitions=parse_partitions(str(config["attack-partitions"])),
+        ),
+        secagg=SecAggSettings(
+            group_size=int(config["secagg-group-size"]),
+            quantization=FLOWER_DEFAULTS if config["secagg-quantization"] else None,
+        ),
         seed=int(config["attack-seed"]),
-        secagg_group_size=int(config["secagg-group-size"]),
-        secagg_quantization=FLOWER_DEFAULTS if config["secagg-quantization"] else None,
-        workers=int(config["attack-workers"]),
-        queue_size=int(config["attack-queue-size"]) or None,
-        queue_policy=str(config["attack-queue"]),
-        backend=str(config["attack-backend"]),
-        ray_address=str(config["ray-address"]) or None,
-        attack_cpus=float(config["attack-cpus"]),
-        attack_gpus=float(config["attack-gpus"]),
-        progress=True,
-        fallback=str(config["attack-fallback"]),
     )

@@ -122,18 +122,19 @@ class HonestButCuriousStrategy(Strategy):
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
         auditor = self.auditor
+        attack, sampling = auditor.attack, auditor.sampling
         log(INFO, "\t├──> Honest-but-curious audit:")
         log(INFO, "\t│\t├── Attacker: %s", type(auditor.attacker).__name__)
-        log(INFO, "\t│\t├── Attacked layer: %s", auditor.weight_key or "first linear layer")
+        log(INFO, "\t│\t├── Attacked layer: %s", attack.weight_key or "first linear layer")
         log(
             INFO,
             "\t│\t├── Attacked updates: fraction %.2f, partitions %s",
-            auditor.attack_fraction,
-            "all" if auditor.attack_partitions is None else sorted(auditor.attack_partitions),
+            sampling.attack_fraction,
+            "all" if sampling.attack_partitions is None else sorted(sampling.attack_partitions),
         )
-        log(INFO, "\t│\t├── Time budget / timeout: %s s / %s s", auditor.time_budget, auditor.timeout)
-        if auditor.secagg_group_size > 1:
-            log(INFO, "\t│\t├── Secure aggregation: sums of %d clients", auditor.secagg_group_size)
+        log(INFO, "\t│\t├── Time budget / timeout: %s s / %s s", attack.time_budget, attack.timeout)
+        if auditor.secagg.group_size > 1:
+            log(INFO, "\t│\t├── Secure aggregation: sums of %d clients", auditor.secagg.group_size)
         log(INFO, "\t│\t└── Store: %s", "memory only" if auditor.store is None else auditor.store.directory)
         self.strategy.summary()
 

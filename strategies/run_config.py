@@ -17,6 +17,8 @@ from types import TracebackType
 
 from flwr.app import ConfigRecord, UserConfigValue
 
+from fl_attack.pipeline.budget.budget import hard_limit
+
 
 class RunConfigError(ValueError):
     """A run-config key or value is wrong; the message names the key and what is expected."""
@@ -395,13 +397,10 @@ def client_config(config: Mapping[str, UserConfigValue]) -> ConfigRecord:
     return ConfigRecord({key: config[key] for key in CLIENT_KEYS})
 
 
-#: Extra seconds granted on top of 1.5 times the time budget before an attack is given up.
-TIMEOUT_GRACE = 15.0
-
-
 def attack_timeout(config: Mapping[str, UserConfigValue]) -> float:
-    """Hard per-attack limit: ``attack-timeout``, or ``1.5 * attack-time-budget + 15`` s."""
+    """Hard per-attack limit: ``attack-timeout``, or the budget's
+    :func:`fl_attack.pipeline.budget.budget.hard_limit` (``1.5 * attack-time-budget + 15`` s)."""
     explicit = float(config["attack-timeout"])
     if explicit > 0:
         return explicit
-    return 1.5 * float(config["attack-time-budget"]) + TIMEOUT_GRACE
+    return hard_limit(float(config["attack-time-budget"]))

@@ -52,7 +52,7 @@ from flwr.server.strategy import Strategy as LegacyStrategy
 from flwr.serverapp.strategy import Strategy as MessageStrategy
 
 from fl_attack import LayerAttack
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
+from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth, SecAggSettings
 from fl_attack.audit.protocol import (
     LEGACY_METRIC_PREFIX,
     PARTITION_ID_KEY,
@@ -183,7 +183,7 @@ class AuditedLegacyStrategy(LegacyStrategy):
         self, strategy: LegacyStrategy, auditor: Auditor, *, array_names: Sequence[str] | None = None
     ) -> None:
         _check_legacy(strategy)
-        if auditor.attack_partitions is not None:
+        if auditor.sampling.attack_partitions is not None:
             raise ValueError(
                 "attack-partitions cannot pick clients inside a SecAgg+ aggregate; use attack-fraction"
             )
@@ -327,13 +327,13 @@ class AuditedLegacyStrategy(LegacyStrategy):
             "Round %s: one SecAgg+ aggregate of %d clients, attacked as one batch", server_round, len(updates)
         )
         auditor = self.auditor
-        simulated = auditor.secagg_group_size, auditor.secagg_quantization
+        simulated = auditor.secagg
         # The real aggregate is one unit, already quantized: no simulated grouping or quantization.
-        auditor.secagg_group_size, auditor.secagg_quantization = len(updates), None
+        auditor.secagg = SecAggSettings(group_size=len(updates))
         try:
             auditor.audit_round(server_round, updates)
         finally:
-            auditor.secagg_group_size, auditor.secagg_quantization = simulated
+            auditor.secagg = simulated
 
     # ---------------------------------------------------------------- evaluation
 

@@ -19,6 +19,7 @@ import torch
 from fl_attack import Reconstruction, Spear, SpearPlusPlus, SphereSchedule
 from fl_attack.data.images import ImageData, load_dataset, sample_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.simulate.victims import build_victim, client_gradient, fedsgd_update, first_linear
 
 EXACT_DB = 90.0
@@ -403,7 +404,7 @@ def test_malformed_input_raises_naming_the_problem(change, error: type, pattern:
 
 def test_valid_synthetic_arrays_do_not_raise_on_validation() -> None:
     """Control for the malformed-input cases: the unmodified arrays pass validation."""
-    rec = _invert(_valid(), time_budget=0.5)
+    rec = _invert(_valid(), budget=Budget.start(0.5))
     assert rec.inputs.shape == (2, 5)
 
 
@@ -483,8 +484,8 @@ def test_time_budget_is_respected_approximately() -> None:
     dense = torch.randn(100, 4, generator=torch.Generator().manual_seed(3)) + 0.5
     budget = 1.5
     start = time.perf_counter()
-    rec = _fast_attack(time_budget=60.0).invert(
-        (dense @ case.flat).float(), dense.sum(dim=1).float(), **case.params(), time_budget=budget
+    rec = _fast_attack(time_budget=60.0).invert(  # the call's budget, not the attack's own
+        (dense @ case.flat).float(), dense.sum(dim=1).float(), **case.params(), budget=Budget.start(budget)
     )
     wall = time.perf_counter() - start
     assert rec.stats.get("stopped_by") == "time_budget"

@@ -23,7 +23,7 @@ import torch
 
 from fl_attack import LayerUpdate
 from fl_attack.attacks import LayerAttackBase
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, spill
+from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings, spill
 from fl_attack.audit.layer import SentLayer, layer_arrays, layer_delta
 from fl_attack.audit.prepare import NON_FINITE_UPDATE
 from fl_attack.audit.spill import SPILL_FOLDER, QueueSpill
@@ -86,6 +86,16 @@ def _updates(count: int, global_arrays: dict[str, np.ndarray]) -> list[ClientUpd
     ]
 
 
+def _pooled(attacker: Any, *, store: ReconstructionStore | None = None) -> Auditor:
+    """An auditor with one pool thread whose attacks stop after :data:`PATIENCE` seconds."""
+    return Auditor(
+        attacker,
+        store=store,
+        attack=AttackSettings(timeout=PATIENCE),
+        execution=ExecutionSettings(isolation="thread", workers=1),
+    )
+
+
 def _wait_until(condition: Any, what: str) -> None:
     deadline = time.monotonic() + PATIENCE
     while not condition():
@@ -96,7 +106,7 @@ def _wait_until(condition: Any, what: str) -> None:
 
 def test_a_finished_attack_holds_no_update_before_the_drain() -> None:
     """Finished jobs leave the pool at once: their updates are freed without waiting for drain()."""
-    auditor = Auditor(CountingAttacker(), isolation="thread", workers=1, timeout=PATIENCE)
+    auditor = _pooled(CountingAttacker())
     global_arrays = _global_arrays()
     baseline = _held()
     auditor.start_round(1, global_arrays)
@@ -118,7 +128,11 @@ def test_a_bounded_queue_bounds_the_updates_held(queue_size: int) -> None:
     k waiting, one running, and the one the round is blocked on; only the running one as float64."""
     attacker = CountingAttacker(gated=True)
     auditor = Auditor(
-        attacker, isolation="thread", workers=1, queue_size=queue_size, queue_policy="block", timeout=PATIENCE
+        attacker,
+        attack=AttackSettings(timeout=PATIENCE),
+        execution=ExecutionSettings(
+            isolation="thread", workers=1, queue_size=queue_size, queue_policy="block"
+        ),
     )
     global_arrays = _global_arrays()
     baseline = _held()
@@ -145,7 +159,7 @@ def test_a_bounded_queue_bounds_the_updates_held(queue_size: int) -> None:
 
 
 def test_a_queued_unit_keeps_the_sent_layer_and_shares_the_global_layer() -> None:
-    auditor = Auditor(CountingAttacker(), isolation="thread", workers=1, timeout=PATIENCE)
+    auditor = _pooled(CountingAttacker())
     global_arrays = _global_arrays()
     updates = _updates(2, global_arrays)
     auditor.start_round(1, global_arrays)
@@ -168,7 +182,11 @@ def test_a_queued_unit_keeps_the_sent_layer_and_shares_the_global_layer() -> Non
 
 def test_double_precision_and_non_finite_updates_are_decided_at_once() -> None:
     """A float64 update is subtracted when it arrives (its difference may overflow); a NaN is refused."""
-    auditor = Auditor(CountingAttacker(), isolation="thread", timeout=PATIENCE)
+    auditor = Auditor(
+        CountingAttacker(),
+        attack=AttackSettings(timeout=PATIENCE),
+        execution=ExecutionSettings(isolation="thread"),
+    )
     global_arrays = _global_arrays()
     auditor.start_round(1, global_arrays)
     layer = auditor.layer
@@ -209,7 +227,7 @@ class OnlyTheLayer(Mapping[str, np.ndarray]):
 
 def test_the_layer_is_read_without_reading_the_rest_of_the_model() -> None:
     global_arrays = _global_arrays()
-    auditor = Auditor(CountingAttacker(), isolation="thread")
+    auditor = Auditor(CountingAttacker(), execution=ExecutionSettings(isolation="thread"))
     layer = auditor.select_layer(global_arrays)
     reply = OnlyTheLayer(_client_arrays(global_arrays, 0), (layer.weight, layer.bias))
     weight, bias = layer_arrays(reply, layer)
@@ -231,7 +249,7 @@ def test_every_finished_attack_gives_freed_pages_back(monkeypatch: pytest.Monkey
 
     calls: list[int] = []
     monkeypatch.setattr(auditor_module, "release_freed_memory", lambda: calls.append(1) or True)
-    auditor = Auditor(CountingAttacker(), isolation="thread", workers=1, timeout=PATIENCE)
+    auditor = _pooled(CountingAttacker())
     global_arrays = _global_arrays()
     auditor.start_round(1, global_arrays)
     auditor.audit_round(1, _updates(3, global_arrays))
@@ -260,7 +278,7 @@ def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(
     monkeypatch.setattr(spill, "SPILL_AFTER_BYTES", 0)
     attacker = DigestAttacker(gated=True)
     store = ReconstructionStore.create(tmp_path / "run")
-    auditor = Auditor(attacker, store=store, isolation="thread", workers=1, timeout=PATIENCE)
+    auditor = _pooled(attacker, store=store)
     global_arrays = _global_arrays()
     updates = _updates(5, global_arrays)
     auditor.start_round(1, global_arrays)
@@ -300,7 +318,9 @@ def test_a_dropped_update_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Mon
     attacker = CountingAttacker(gated=True)
     store = ReconstructionStore.create(tmp_path / "run")
     auditor = Auditor(
-        attacker, store=store, isolation="thread", workers=1, queue_size=1, queue_policy="drop-oldest"
+        attacker,
+        store=store,
+        execution=ExecutionSettings(isolation="thread", workers=1, queue_size=1, queue_policy="drop-oldest"),
     )
     global_arrays = _global_arrays()
     auditor.start_round(1, global_arrays)
@@ -326,7 +346,7 @@ def test_a_dropped_update_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Mon
 def test_a_short_queue_is_never_written(tmp_path: Path) -> None:
     """Below the allowance nothing is spilled; above it, the new updates are."""
     global_arrays = _global_arrays()
-    auditor = Auditor(CountingAttacker(), isolation="thread")
+    auditor = Auditor(CountingAttacker(), execution=ExecutionSettings(isolation="thread"))
     layer = auditor.select_layer(global_arrays)
     weight, bias = layer_arrays(_client_arrays(global_arrays, 0), layer)
     global_weight, global_bias = weight.astype(np.float64), bias.astype(np.float64)

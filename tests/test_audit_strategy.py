@@ -19,10 +19,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fl_attack import LayerUpdate, Reconstruction
 from fl_attack.attacks import LayerAttackBase
-from fl_attack.audit import Auditor, LayerNotFoundError
+from fl_attack.audit import AttackSettings, Auditor, LayerNotFoundError, SamplingSettings, SecAggSettings
 from fl_attack.audit import select_layer as _select_layer
 from fl_attack.audit.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
 from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.results.store import ReconstructionStore, load_table
 from fl_attack.types import OPTIONAL_PARTS
 from strategies import HonestButCuriousStrategy
@@ -62,9 +63,9 @@ class RecordingAttacker(LayerAttackBase):
         self.inputs = np.zeros((2, INPUT_DIM)) if inputs is None else inputs
 
     def attack(
-        self, update: LayerUpdate[Any], /, *, batch_size: int | None = None, time_budget: float | None = None
+        self, update: LayerUpdate[Any], /, *, batch_size: int | None = None, budget: Budget | None = None
     ) -> Reconstruction:
-        self.calls.append((update, {"batch_size": batch_size, "time_budget": time_budget}))
+        self.calls.append((update, {"batch_size": batch_size, "budget": budget}))
         b = len(self.inputs)
         return Reconstruction(
             inputs=torch.as_tensor(self.inputs, dtype=torch.float64),
@@ -165,7 +166,7 @@ def test_attacker_receives_exact_first_layer_delta() -> None:
     global_arrays = _global_arrays()
     clients = {11: _client_arrays(global_arrays, 1), 22: _client_arrays(global_arrays, 2)}
     attacker = RecordingAttacker()
-    strategy = _audited(_fedavg(), attacker, time_budget=5.0, batch_size=4)
+    strategy = _audited(_fedavg(), attacker, attack=AttackSettings(time_budget=5.0, batch_size=4))
     _configure(strategy, global_arrays)
     replies = [_reply(node, arrays, partition_id=node // 11 - 1) for node, arrays in clients.items()]
 
@@ -183,7 +184,8 @@ def test_attacker_receives_exact_first_layer_delta() -> None:
         np.testing.assert_array_equal(update.weight, global_arrays["0.weight"].astype(np.float64))
         np.testing.assert_array_equal(update.bias, global_arrays["0.bias"].astype(np.float64))
         # The attacker gets the update and the global layer, nothing about the client's data.
-        assert options == {"batch_size": 4, "time_budget": 5.0}
+        assert set(options) == {"batch_size", "budget"}
+        assert options["batch_size"] == 4 and options["budget"].seconds == 5.0
         assert all(getattr(update, part) is None for part in OPTIONAL_PARTS)  # it uses none of them
     assert [record.client for record in strategy.records] == ["partition-0", "partition-1"]
     assert all(record.status == "ok" for record in strategy.records)
@@ -249,7 +251,7 @@ def test_attack_failures_are_recorded_and_training_continues(
 def test_attack_timeout_is_recorded_and_training_continues() -> None:
     global_arrays = _global_arrays()
     attacker = SlowAttacker(seconds=30.0)
-    strategy = _audited(_fedavg(), attacker, timeout=0.2)
+    strategy = _audited(_fedavg(), attacker, attack=AttackSettings(timeout=0.2))
     _configure(strategy, global_arrays)
     replies = [_reply(11, _client_arrays(global_arrays, 1)), _reply(22, _client_arrays(global_arrays, 2))]
     start = time.perf_counter()
@@ -275,7 +277,7 @@ def test_unreadable_reply_is_recorded() -> None:
 
 
 def test_wrong_layer_name_lists_available_keys() -> None:
-    strategy = _audited(_fedavg(), RecordingAttacker(), weight_key="fc1.weight")
+    strategy = _audited(_fedavg(), RecordingAttacker(), attack=AttackSettings(weight_key="fc1.weight"))
     with pytest.raises(LayerNotFoundError) as raised:
         _configure(strategy, _global_arrays())
     message = str(raised.value)
@@ -302,7 +304,7 @@ def test_opacus_module_prefix_is_stripped() -> None:
     assert select_layer(prefixed_global, weight_key="_module.0.weight").bias == "0.bias"
 
     attacker = RecordingAttacker()
-    strategy = _audited(_fedavg(), attacker, weight_key="_module.0.weight")
+    strategy = _audited(_fedavg(), attacker, attack=AttackSettings(weight_key="_module.0.weight"))
     _configure(strategy, global_arrays)
     client = _client_arrays(global_arrays, 1)
     strategy.aggregate_train(1, [_reply(11, client, prefix="_module.")])
@@ -325,17 +327,17 @@ def test_attack_selection_by_partition_and_fraction() -> None:
             _reply(node, _client_arrays(global_arrays, node), partition_id=i) for i, node in enumerate(nodes)
         ]
 
-    chosen = _audited(_fedavg(), RecordingAttacker(), attack_partitions=[1, 3])
+    chosen = _audited(_fedavg(), RecordingAttacker(), sampling=SamplingSettings(attack_partitions=[1, 3]))
     _configure(chosen, global_arrays)
     chosen.aggregate_train(1, replies())
     assert [record.client for record in chosen.records] == ["partition-1", "partition-3"]
 
-    half = _audited(_fedavg(), RecordingAttacker(), attack_fraction=0.5, seed=3)
+    half = _audited(_fedavg(), RecordingAttacker(), sampling=SamplingSettings(attack_fraction=0.5), seed=3)
     _configure(half, global_arrays)
     half.aggregate_train(1, replies())
     assert len(half.records) == 2
 
-    none = _audited(_fedavg(), RecordingAttacker(), attack_fraction=0.0)
+    none = _audited(_fedavg(), RecordingAttacker(), sampling=SamplingSettings(attack_fraction=0.0))
     _configure(none, global_arrays)
     arrays, _ = none.aggregate_train(1, replies())
     assert none.records == [] and arrays is not None
@@ -413,7 +415,13 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
         denormalize=lambda x: (torch.as_tensor(x) * 0.1 + 0.5).reshape(-1, 1, 3, 4),
         image_shape=(1, 3, 4),
     )
-    strategy = _audited(_fedavg(), attacker, scorer=scorer, secagg_group_size=2, batch_size=4)
+    strategy = _audited(
+        _fedavg(),
+        attacker,
+        scorer=scorer,
+        attack=AttackSettings(batch_size=4),
+        secagg=SecAggSettings(group_size=2),
+    )
     global_arrays = _global_arrays()
     _configure(strategy, global_arrays)
     clients = {partition: _client_arrays(global_arrays, partition) for partition in member_indices}
@@ -443,7 +451,7 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
 
 def test_secure_aggregation_group_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="secagg_group_size must be a positive integer"):
-        _audited(_fedavg(), RecordingAttacker(), secagg_group_size=0)
+        _audited(_fedavg(), RecordingAttacker(), secagg=SecAggSettings(group_size=0))
 
 
 def test_evaluation_is_delegated() -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fl_attack import SpearPlusPlus
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
 from fl_attack.pipeline.side_information import input_cone as input_side
 from fl_attack.pipeline.side_information.binary_head import BinaryHead
@@ -291,7 +292,7 @@ def test_binary_head_checks_its_input_and_deadline(search: Search) -> None:
     empty = BinaryHead(search.factors, flat, relative_noise=0.0, generator=generator)
     assert empty.propose(search.truth).shape == (0, BATCH) and empty.stats()["binary_rounds"] == 0
     late = BinaryHead(
-        search.factors, search.difference, relative_noise=0.0, generator=generator, deadline=0.0
+        search.factors, search.difference, relative_noise=0.0, generator=generator, deadline=Deadline(0.0)
     )
     assert late.propose(search.truth).shape == (0, BATCH)
     assert late.stats() == {"binary_rounds": 0, "binary_starts": 0, "binary_directions": 0}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.noise.blend_refit import (
     EXCESS_RATIO,
     blend_refit,
@@ -82,7 +83,7 @@ def test_blend_refit_returns_the_selection_when_nothing_is_flagged_found_or_time
     empty = _selection(layer.scorer, layer.directions[:0])
     assert blend_refit(layer.scorer, empty) is empty
     blended = _selection(layer.scorer, _blended(layer.directions, 0, 1, 0.5))
-    assert blend_refit(layer.scorer, blended, deadline=0.0) is blended
+    assert blend_refit(layer.scorer, blended, deadline=Deadline(0.0)) is blended
     assert blend_refit(layer.scorer, blended, iterations=0) is blended
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fl_attack import CocktailPartyAttack, get_attack
+from fl_attack.pipeline.budget.budget import Budget
 
 
 def _mixed_update(b: int, n: int, m: int, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -75,7 +76,7 @@ def test_auto_takes_the_input_side_with_few_neurons_per_source() -> None:
 def test_the_time_budget_stops_the_iterations_with_what_they_have() -> None:
     dw, db, weight, bias, _ = _mixed_update(40, 3000, 400, seed=2)
     attack = CocktailPartyAttack(max_iter=10**6, tolerance=1e-300, unmix="inputs")  # never converges
-    rec = attack.invert(dw, db, weight=weight, bias=bias, batch_size=40, time_budget=1.5)
+    rec = attack.invert(dw, db, weight=weight, bias=bias, batch_size=40, budget=Budget.start(1.5))
     assert rec.stats["stopped_by"] == "time_budget" and rec.stats["budget_exhausted"] is True
     assert rec.stats["ica_iterations"] > 0 and rec.stats["time_budget"] == 1.5
     assert rec.seconds <= 1.5 * 1.1

@@ -17,6 +17,7 @@ from synthetic_layer import SyntheticUpdate, relu_layer_update
 
 from fl_attack import Spear, SpearPlusPlus
 from fl_attack.pipeline.budget import deadline as deadline_module
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import chunk_rows, map_rows
 from fl_attack.pipeline.search.candidates import CandidatePool
 from fl_attack.pipeline.search.last_direction import scan_missing_directions
@@ -34,7 +35,7 @@ from fl_attack.types import ObservedUpdate
 
 #: Seconds of slack on top of the promised 110%: scheduling noise of a shared test machine.
 SLACK = 0.5
-PASSED = 0.0  # a deadline (time.perf_counter() value) that has always passed
+PASSED = Deadline(0.0)  # a deadline that has always passed
 
 
 def _large_update(*, batch: int = 100, width: int = 1000, features: int = 120) -> SyntheticUpdate:
@@ -212,7 +213,7 @@ def test_map_rows_stops_between_chunks_and_keeps_the_order() -> None:
 
     # five rows per chunk; the deadline passes during the first chunk
     done = map_rows(
-        slow, rows, seconds_per_row=deadline_module.CHUNK_SECONDS / 5, deadline=time.perf_counter() + 0.01
+        slow, rows, seconds_per_row=deadline_module.CHUNK_SECONDS / 5, deadline=Deadline.in_seconds(0.01)
     )
     assert calls == [5] and torch.equal(done, rows[:5])
 

@@ -18,6 +18,7 @@ from synthetic_layer import relu_layer_update
 
 import fl_attack.pipeline.spectrum.decompose as decomposition
 from fl_attack import SpearPlusPlus
+from fl_attack.pipeline.budget.budget import DECOMPOSITION_SHARE, Budget, Deadline
 from fl_attack.pipeline.budget.deadline import (
     DeadlineReached,
     chunked_gram,
@@ -27,13 +28,13 @@ from fl_attack.pipeline.budget.deadline import (
     svdvals_seconds,
     symmetric_eigen_seconds,
 )
-from fl_attack.pipeline.budget.out_of_time import DECOMPOSITION_SHARE, out_of_time
+from fl_attack.pipeline.budget.out_of_time import out_of_time
 from fl_attack.pipeline.spectrum.decompose import decompose
 
 #: Seconds of slack on top of the promised 110%: scheduling noise of a shared test machine.
 SLACK = 0.5
-PASSED = 0.0  # a deadline (time.perf_counter() value) that has always passed
-LATER = math.nextafter(math.inf, 0.0)  # a finite deadline no test reaches
+PASSED = Deadline(0.0)  # a deadline that has always passed
+LATER = Deadline(math.nextafter(math.inf, 0.0))  # a finite deadline no test reaches
 
 
 def _matrix(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
@@ -75,14 +76,14 @@ def test_cost_model_of_the_lapack_calls() -> None:
 
 
 def test_require_time_names_the_work_and_the_time_left() -> None:
-    require_time(1e9, deadline=math.inf, what="anything")  # no deadline: never raises
-    require_time(1.0, deadline=time.perf_counter() + 60.0, what="a call that fits")
+    require_time(1e9, deadline=Deadline.never(), what="anything")  # no deadline: never raises
+    require_time(1.0, deadline=Deadline.in_seconds(60.0), what="a call that fits")
     with pytest.raises(DeadlineReached, match=r"the SVD of X would take about 5 s and [0-9.]+ s are left"):
-        require_time(5.0, deadline=time.perf_counter() + 1.0, what="the SVD of X")
+        require_time(5.0, deadline=Deadline.in_seconds(1.0), what="the SVD of X")
     with pytest.raises(DeadlineReached, match=r"and 0 s are left"):
         require_time(1e-9, deadline=PASSED, what="a call after the deadline")
     # the CPU cost model would refuse an accelerator work it does in a fraction of the time
-    soon = time.perf_counter() + 1.0
+    soon = Deadline.in_seconds(1.0)
     require_time(5.0, deadline=soon, what="the SVD of X", device=torch.device("cuda"))
     with pytest.raises(DeadlineReached):
         require_time(5.0, deadline=soon, what="the SVD of X", device=torch.device("cpu"))
@@ -117,7 +118,7 @@ def test_large_layer_factors_are_unchanged_by_a_deadline(monkeypatch: pytest.Mon
     weight_grad = _clean_update(batch=15, width=500, features=300)
     monkeypatch.setattr(decomposition, "LARGE_SIDE", 100)
     free = decompose(weight_grad)
-    bounded = decompose(weight_grad, deadline=time.perf_counter() + 600.0)
+    bounded = decompose(weight_grad, deadline=Deadline.in_seconds(600.0))
     assert free.batch_size == bounded.batch_size == 15
     assert not free.spectrum.noisy
     assert torch.equal(free.left, bounded.left) and torch.equal(free.right, bounded.right)
@@ -128,7 +129,7 @@ def test_large_layer_factors_are_unchanged_by_a_deadline(monkeypatch: pytest.Mon
 def test_small_layer_factors_are_unchanged_by_a_deadline() -> None:
     weight_grad = _clean_update(batch=9, width=120, features=80)
     free = decompose(weight_grad)
-    bounded = decompose(weight_grad, deadline=time.perf_counter() + 600.0)
+    bounded = decompose(weight_grad, deadline=Deadline.in_seconds(600.0))
     u, s, vh = torch.linalg.svd(weight_grad, full_matrices=False)
     assert free.batch_size == bounded.batch_size == 9
     assert torch.equal(free.left, bounded.left) and torch.equal(free.singular_values, s)
@@ -154,10 +155,10 @@ def test_subspace_iteration_stops_between_products(monkeypatch: pytest.MonkeyPat
     """The singular values ran into the deadline: the vectors are not computed."""
     weight_grad = _clean_update(batch=5, width=200, features=150)
     real_svdvals = torch.linalg.svdvals
-    deadline = time.perf_counter() + 0.3
+    deadline = Deadline.in_seconds(0.3)
 
     def slow_svdvals(matrix: torch.Tensor) -> torch.Tensor:
-        time.sleep(max(0.0, deadline - time.perf_counter()) + 0.01)
+        time.sleep(max(0.0, deadline.remaining()) + 0.01)
         return real_svdvals(matrix)
 
     monkeypatch.setattr(decomposition.torch.linalg, "svdvals", slow_svdvals)
@@ -234,4 +235,4 @@ def test_attack_with_time_to_spare_gives_the_unbounded_reconstruction() -> None:
 
 def test_out_of_time_rejects_impossible_shapes() -> None:
     with pytest.raises(ValueError, match="need batch_size >= 0 and input_dim >= 1, got -1 and 5"):
-        out_of_time("spear++", batch_size=-1, input_dim=5, start=time.perf_counter(), budget=1.0, reason="x")
+        out_of_time("spear++", batch_size=-1, input_dim=5, budget=Budget.start(1.0), reason="x")

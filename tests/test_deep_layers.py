@@ -15,6 +15,7 @@ import torch
 
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.attacks.spear import SearchState
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.candidates import CandidatePool, informative_rows
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, zero_masks
 from fl_attack.pipeline.selection.select import SparsityMatchingScorer
@@ -178,7 +179,7 @@ def test_the_sweep_lowers_the_weak_threshold_to_the_samples_it_reached() -> None
         factors=informative,
         pool=pool,
         generator=torch.Generator().manual_seed(0),
-        deadline=math.inf,
+        deadline=Deadline.never(),
         stats={},
         active=rows,
         noisy=False,

@@ -19,7 +19,7 @@ import torch
 import fl_attack.attacks.spear as spear_module
 import fl_attack.pipeline.side_information.next_layer as deflation_module
 from fl_attack import SpearPlusPlus
-from fl_attack.audit import Auditor
+from fl_attack.audit import AttackSettings, Auditor
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate
 from fl_attack.data.images import load_dataset
 from fl_attack.pipeline.search.candidates import informative_rows
@@ -288,7 +288,9 @@ def _client_step(
 
 
 def _audited(global_arrays: dict[str, np.ndarray], sent: dict[str, np.ndarray], batch: int) -> Any:
-    auditor = Auditor(SpearPlusPlus(seed=0, progress=False), batch_size=batch, time_budget=60.0)
+    auditor = Auditor(
+        SpearPlusPlus(seed=0, progress=False), attack=AttackSettings(batch_size=batch, time_budget=60.0)
+    )
     auditor.start_round(1, global_arrays)
     (record,) = auditor.audit_round(1, [ClientUpdate(identity=ClientIdentity(node_id=7), arrays=sent)])
     auditor.close()

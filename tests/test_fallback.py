@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from fl_attack import SpearPlusPlus
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
-from fl_attack.audit.fallback import build_fallback, fallback_verdict
+from fl_attack.audit import (
+    AttackSettings,
+    Auditor,
+    ClientIdentity,
+    ClientUpdate,
+    ExecutionSettings,
+    GroundTruth,
+)
+from fl_attack.audit.fallback import fallback_verdict
 from fl_attack.audit.workers import AttackResult
 from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.report import load_summary, write_report
@@ -57,12 +64,15 @@ def _audit(auditor: Auditor, global_arrays: dict[str, np.ndarray], update: Clien
     return list(auditor.records)
 
 
-def _auditor(inputs: torch.Tensor, tmp_path: Path, **options: Any) -> Auditor:
+def _auditor(
+    inputs: torch.Tensor, tmp_path: Path, *, fallback: str | None, time_budget: float = 10.0, workers: int = 0
+) -> Auditor:
     return Auditor(
         SpearPlusPlus(seed=0, progress=False),
         store=ReconstructionStore.create(tmp_path / "run"),
         scorer=_scorer(inputs),
-        **{"isolation": "thread", "time_budget": 10.0, **options},
+        attack=AttackSettings(time_budget=time_budget, fallback=fallback),
+        execution=ExecutionSettings(isolation="thread", workers=workers),
     )
 
 
@@ -154,4 +164,4 @@ def test_the_fallback_verdict_is_never_exact() -> None:
         == "the cocktail-party fallback (after the exact attack's verdict timeout) failed: did not finish"
     )
     with pytest.raises(ValueError, match="fallback must be an attack name"):
-        build_fallback(42)  # type: ignore[arg-type]
+        AttackSettings(fallback=42)  # type: ignore[arg-type]

@@ -3,11 +3,10 @@ decomposition's use of it on large layers with a known batch size."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.spectrum import decompose as decomposition
 from fl_attack.pipeline.spectrum.gram_spectrum import noisy_spectrum
 
@@ -33,7 +32,7 @@ def _call(update: torch.Tensor, rank: int = 10) -> tuple[torch.Tensor, torch.Ten
         rank=rank,
         oversample=decomposition.SUBSPACE_OVERSAMPLE,
         max_ratio=decomposition.SUBSPACE_MAX_RATIO,
-        deadline=math.inf,
+        deadline=Deadline.never(),
     )
 
 

@@ -13,13 +13,13 @@ from torch import nn
 from fl_attack import LayerUpdate, Reconstruction, SpearPlusPlus
 from fl_attack.attacks import LayerAttackBase
 from fl_attack.attacks.cocktail_party import CocktailPartyAttack
-from fl_attack.audit import Auditor, workers
+from fl_attack.audit import AttackSettings, Auditor, workers
 from fl_attack.audit.layer import global_parameters, select_layer
-from fl_attack.audit.next_layer_stage import exact_attack_budget
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate
 from fl_attack.audit.workers import run_attack
 from fl_attack.data.images import load_dataset
 from fl_attack.evaluation.metrics import evaluate_reconstruction
+from fl_attack.pipeline.budget.budget import NEXT_LAYER_SHARE, Budget
 from fl_attack.simulate.victims import build_victim
 from fl_attack.types import OPTIONAL_PARTS
 
@@ -45,12 +45,12 @@ class PartsSpy(LayerAttackBase):
     """Remembers every update and time budget it is given; uses the optional parts a subclass declares."""
 
     def __init__(self) -> None:
-        self.received: list[tuple[LayerUpdate[Any], float | None]] = []
+        self.received: list[tuple[LayerUpdate[Any], Budget | None]] = []
 
     def attack(
-        self, update: LayerUpdate[Any], /, *, batch_size: int | None = None, time_budget: float | None = None
+        self, update: LayerUpdate[Any], /, *, batch_size: int | None = None, budget: Budget | None = None
     ) -> Reconstruction:
-        self.received.append((update, time_budget))
+        self.received.append((update, budget))
         rows = torch.zeros(2, np.shape(update.weight_update)[1], dtype=torch.float64)
         return Reconstruction(
             inputs=rows,
@@ -113,7 +113,7 @@ def _audit(
     with torch.no_grad():
         for parameter, gradient in zip(client.parameters(), gradients, strict=True):
             parameter.sub_(LR * gradient)
-    auditor = Auditor(attacker, batch_size=BATCH, time_budget=30.0)
+    auditor = Auditor(attacker, attack=AttackSettings(batch_size=BATCH, time_budget=30.0))
     auditor.start_round(1, global_arrays)
     sent = _arrays(client)
     update = ClientUpdate(identity=ClientIdentity(node_id=7, partition_id=0), arrays=sent)
@@ -172,7 +172,8 @@ def test_the_declared_uses_decide_which_optional_parts_an_attack_receives(uses: 
     result = run_attack(spy, update, batch_size=2, time_budget=10.0)
     assert result.status == "ok", result.error
     ((received, budget),) = spy.received
-    assert budget == 10.0  # no next-layer route on a first layer: the attack gets the whole budget
+    # no next-layer route on a first layer: the attack gets the whole budget
+    assert budget is not None and budget.seconds == 10.0
     for name in ("weight_update", "bias_update", "weight", "bias"):
         assert getattr(received, name) is getattr(update, name)
     for part in OPTIONAL_PARTS:
@@ -192,11 +193,11 @@ def test_a_zero_next_layer_update_is_never_offered() -> None:
 def test_the_next_layer_route_follows_an_attack_that_does_not_use_the_next_layer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # the route gets the whole update and half the budget whatever the attack itself reads
-    routed: list[LayerUpdate[Any]] = []
+    # the route gets the whole update and the rest of the budget whatever the attack itself reads
+    routed: list[tuple[LayerUpdate[Any], Budget | None]] = []
 
-    def route(reconstruction: Any, update: LayerUpdate[Any], **_: Any) -> Any:
-        routed.append(update)
+    def route(reconstruction: Any, update: LayerUpdate[Any], *, budget: Budget | None, **_: Any) -> Any:
+        routed.append((update, budget))
         return reconstruction
 
     monkeypatch.setattr(workers, "with_next_layer", route)
@@ -204,8 +205,13 @@ def test_the_next_layer_route_follows_an_attack_that_does_not_use_the_next_layer
     update = _full_update(after_layers=True)
     assert run_attack(spy, update, batch_size=2, time_budget=10.0).status == "ok"
     ((received, budget),) = spy.received
-    assert received.next_weight_update is None and budget == exact_attack_budget(10.0) == 5.0
-    assert routed == [update]
+    assert received.next_weight_update is None
+    assert budget is not None and budget.seconds == (1.0 - NEXT_LAYER_SHARE) * 10.0 == 5.0
+    ((routed_update, route_budget),) = routed
+    assert routed_update is update
+    assert (
+        route_budget is not None and route_budget.seconds == 10.0 and route_budget.started == budget.started
+    )
 
 
 def test_an_attack_without_the_optional_parts_runs_on_a_full_update_and_refuses_them_in_invert() -> None:

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.noise.blend_refit import blend_refit
 from fl_attack.pipeline.noise.joint_refit import MIN_COS, joint_refit, predicted_zeros, refit_on
 from fl_attack.pipeline.noise.one_at_a_time import REFIT_MIN_FOUND, finish_noisy
@@ -119,7 +120,7 @@ def test_joint_refit_returns_the_selection_when_nothing_is_found_or_no_time_is_l
     empty = _selection(layer.scorer, layer.directions[:0])
     assert joint_refit(layer.scorer, empty) is empty
     tilted = _selection(layer.scorer, _tilted(layer.directions, 0.97))
-    assert joint_refit(layer.scorer, tilted, deadline=0.0) is tilted
+    assert joint_refit(layer.scorer, tilted, deadline=Deadline(0.0)) is tilted
     assert joint_refit(layer.scorer, tilted, iterations=0) is tilted
 
 
@@ -133,11 +134,11 @@ def test_finish_noisy_refits_only_wide_layers_with_most_of_the_batch_found() -> 
     narrow = _layer()
     tilted = _selection(narrow.scorer, _tilted(narrow.directions, 0.97))
     pruned = prune_doubtful(narrow.scorer, tilted)
-    kept = finish_noisy(narrow.scorer, tilted, width=999, deadline=math.inf)
+    kept = finish_noisy(narrow.scorer, tilted, width=999, deadline=Deadline.never())
     assert torch.equal(kept.directions, pruned.directions)
     wide = _layer(width=1200)
     complete = _selection(wide.scorer, _tilted(wide.directions, 0.995))
-    refitted = finish_noisy(wide.scorer, complete, width=1200, deadline=math.inf)
+    refitted = finish_noisy(wide.scorer, complete, width=1200, deadline=Deadline.never())
     expected = blend_refit(wide.scorer, joint_refit(wide.scorer, prune_doubtful(wide.scorer, complete)))
     assert torch.equal(refitted.directions, expected.directions)
     assert refitted.sparsity_matching > complete.sparsity_matching
@@ -145,6 +146,6 @@ def test_finish_noisy_refits_only_wide_layers_with_most_of_the_batch_found() -> 
     few = math.ceil(REFIT_MIN_FOUND * b) - 1
     partial = _selection(wide.scorer, _tilted(wide.directions[:few], 0.995))
     assert torch.equal(
-        finish_noisy(wide.scorer, partial, width=1200, deadline=math.inf).directions,
+        finish_noisy(wide.scorer, partial, width=1200, deadline=Deadline.never()).directions,
         prune_doubtful(wide.scorer, partial).directions,
     )

@@ -10,13 +10,13 @@ counts those its check confirmed, without ever calling the batch exact.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart_cnn"
@@ -40,11 +40,10 @@ from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     ROUTE_UNCHECKED,
     batch_matching,
     complete_with_next_layer,
-    exact_attack_budget,
     merged_rows,
     route_budget,
 )
-from fl_attack.audit import Auditor  # noqa: E402
+from fl_attack.audit import AttackSettings, Auditor  # noqa: E402
 from fl_attack.audit.layer import select_layer  # noqa: E402
 from fl_attack.audit.next_layer_stage import with_next_layer  # noqa: E402
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate  # noqa: E402
@@ -52,6 +51,8 @@ from fl_attack.audit.prepare import prepare_unit, round_layer  # noqa: E402
 from fl_attack.audit.units import Prepared  # noqa: E402
 from fl_attack.audit.verdict import decide_verdict  # noqa: E402
 from fl_attack.data.images import load_dataset  # noqa: E402
+from fl_attack.pipeline.budget import budget as budget_module  # noqa: E402
+from fl_attack.pipeline.budget.budget import Budget, Deadline  # noqa: E402
 from fl_attack.pipeline.spectrum.decompose import decompose  # noqa: E402
 from fl_attack.reconstruction import Reconstruction  # noqa: E402
 from fl_attack.vocabulary import (  # noqa: E402
@@ -73,7 +74,8 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     )
     truth = layer_inputs(received, images).double().numpy()
     auditor = Auditor(
-        get_attack("spear++", device="cpu", seed=0, progress=False), batch_size=32, time_budget=8.0
+        get_attack("spear++", device="cpu", seed=0, progress=False),
+        attack=AttackSettings(batch_size=32, time_budget=8.0),
     )
     auditor.start_round(1, _arrays(received))
     assert auditor.layer is not None and auditor.layer.following == "fc2.weight"
@@ -121,12 +123,11 @@ def _attacked_batch_of_8(seed: int) -> tuple[LayerUpdate[np.ndarray], np.ndarray
         bias_update=values(net.fc1.bias) - bias,
         next_weight_update=values(net.fc2.weight) - values(received.fc2.weight),
     )
-    reconstruction = get_attack("spear++", device="cpu", seed=0, progress=False).invert(
+    reconstruction = get_attack("spear++", device="cpu", seed=0, time_budget=10.0, progress=False).invert(
         torch.from_numpy(observed.weight_update),
         torch.from_numpy(observed.bias_update),
         weight=torch.from_numpy(weight),
         bias=torch.from_numpy(bias),
-        time_budget=10.0,
         batch_size=8,
     )
     return observed, layer_inputs(received, images).double().numpy(), reconstruction
@@ -137,7 +138,7 @@ def test_the_merge_keeps_every_exact_row_of_an_attack_the_route_cannot_check() -
     # (near-identical patches: patterns agree at 0.992); the route confirms none and finds rows
     # whose patterns agree worse. Those once displaced an exact row of the attack's.
     observed, truth, reconstruction = _attacked_batch_of_8(1)
-    merged = complete_with_next_layer(reconstruction, observed, time_budget=3.0, seed=0)
+    merged = complete_with_next_layer(reconstruction, observed, budget=Budget.start(3.0), seed=0)
     exact: list[set[int]] = []
     for result in (reconstruction, merged):
         rows = result.inputs.numpy()
@@ -173,8 +174,8 @@ def test_the_merge_does_not_claim_what_the_twin_check_withheld() -> None:
         seconds=0.0,
     )
     with mock.patch.object(next_layer_merge_module, "recover_from_next_layer", lambda *_, **__: again):
-        assert complete_with_next_layer(unchanged, observed, time_budget=1.0, seed=0).complete
-        merged = complete_with_next_layer(withheld, observed, time_budget=1.0, seed=0)
+        assert complete_with_next_layer(unchanged, observed, budget=Budget.start(1.0), seed=0).complete
+        merged = complete_with_next_layer(withheld, observed, budget=Budget.start(1.0), seed=0)
     assert not merged.complete
     assert merged.stats["next_layer_attack_rows"] == 8
 
@@ -224,10 +225,22 @@ def test_the_stage_leaves_updates_without_a_next_layer_or_complete_results_alone
     zeros = np.zeros((3, 2))
     update = LayerUpdate(zeros, np.zeros(3), zeros, np.zeros(3))
     marker = object()
-    assert with_next_layer(marker, update, time_budget=1.0, seed=0) is marker
-    assert exact_attack_budget(10.0) == 5.0 and exact_attack_budget(None) is None
-    assert route_budget(3.5) == 3.5 and route_budget(-0.2) == 0.0
-    assert route_budget(None) == route_budget(math.inf) == 60.0
+    assert with_next_layer(marker, update, budget=Budget.start(1.0), seed=0) is marker
+
+
+def test_the_exact_attack_gets_half_the_budget_and_the_route_what_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(budget_module, "now", lambda: 100.0)
+    budget = Budget.start(10.0)
+    assert budget.exact_attack_share() == Budget(seconds=5.0, started=100.0)
+    assert budget.exact_attack_share().deadline == Deadline(105.0)
+    assert Budget.start(None).exact_attack_share() == Budget.start(None)
+    monkeypatch.setattr(budget_module, "now", lambda: 106.5)
+    assert route_budget(budget) == 3.5
+    monkeypatch.setattr(budget_module, "now", lambda: 110.2)
+    assert route_budget(budget) == 0.0
+    assert route_budget(None) == route_budget(Budget.start(None)) == 60.0
 
 
 def test_the_following_layer_is_found_after_any_layer_and_the_route_runs_only_after_other_layers() -> None:
@@ -248,7 +261,9 @@ def test_the_following_layer_is_found_after_any_layer_and_the_route_runs_only_af
         np.ones((5, 8)), np.ones(5), np.zeros((5, 8)), np.zeros(5), next_weight_update=np.ones((4, 5))
     )
     marker = object()
-    assert not delta.after_layers and with_next_layer(marker, delta, time_budget=1.0, seed=0) is marker
+    assert (
+        not delta.after_layers and with_next_layer(marker, delta, budget=Budget.start(1.0), seed=0) is marker
+    )
 
 
 def test_rows_of_the_route_make_an_approximate_verdict_that_counts_them() -> None:
@@ -348,6 +363,6 @@ def test_the_routes_smoothing_stops_at_its_deadline() -> None:
     rng = np.random.default_rng(0)
     inputs_map, bias = rng.normal(size=(6, 3)), rng.normal(size=6)
     outside, starts = np.eye(6)[:, :4], rng.normal(size=(5, 3))
-    assert np.array_equal(smooth_starts(inputs_map, bias, outside, starts, deadline=0.0), starts)
+    assert np.array_equal(smooth_starts(inputs_map, bias, outside, starts, deadline=Deadline(0.0)), starts)
     moved = smooth_starts(inputs_map, bias, outside, starts, steps=20)
     assert not np.allclose(moved, starts)

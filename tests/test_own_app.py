@@ -19,7 +19,14 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl_attack import get_attack
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
+from fl_attack.audit import (
+    AttackSettings,
+    Auditor,
+    ClientIdentity,
+    ClientUpdate,
+    ExecutionSettings,
+    GroundTruth,
+)
 from fl_attack.audit.protocol import GROUND_TRUTH_KEY
 from fl_attack.evaluation.scoring import FeatureScorer
 from strategies import HonestButCuriousStrategy
@@ -136,7 +143,12 @@ def test_float32_rounding_is_named_when_it_withholds_exact() -> None:
         train(model, [(rows, targets)], optimizer="sgd", lr=0.1)
         scorer = TabularScorer(table_schema(load_table("bundled", "")[0]))
     attacker = get_attack("spear++", device="cpu", seed=0, time_budget=20.0, progress=False)
-    auditor = Auditor(attacker, scorer=scorer, isolation="thread", time_budget=20.0)  # type: ignore[arg-type]
+    auditor = Auditor(
+        attacker,
+        scorer=scorer,  # type: ignore[arg-type]
+        attack=AttackSettings(time_budget=20.0),
+        execution=ExecutionSettings(isolation="thread"),
+    )
     auditor.start_round(1, received)
     sent = {key: value.detach().numpy() for key, value in model.state_dict().items()}
     (record,) = auditor.audit_round(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.pattern_scan import line_pattern_kernels
 from fl_attack.pipeline.spectrum.decompose import decompose
 from tests.synthetic_layer import relu_layer_update
@@ -55,5 +56,8 @@ def test_fresh_grams_find_the_same_patterns_as_the_running_sum() -> None:
 def test_an_expired_deadline_scans_nothing() -> None:
     left, slope, bias, _ = _missing_sample_line()
     assert (
-        line_pattern_kernels(left, slope, bias, minimum=BATCH - 1, limit=1e-6, chunk=16, deadline=0.0) == []
+        line_pattern_kernels(
+            left, slope, bias, minimum=BATCH - 1, limit=1e-6, chunk=16, deadline=Deadline(0.0)
+        )
+        == []
     )

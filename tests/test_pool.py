@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fl_attack import LayerUpdate
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate
+from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings
 from fl_attack.audit.pool import AttackPool
 from fl_attack.results.store import ReconstructionStore, load_table
 from tests.test_audit_strategy import RecordingAttacker, _client_arrays, _global_arrays
@@ -44,7 +44,12 @@ def _updates(count: int) -> tuple[dict[str, np.ndarray], list[ClientUpdate]]:
 def test_audit_round_returns_before_the_attacks_finish_and_drain_waits(tmp_path: Path) -> None:
     attacker = GatedAttacker()
     store = ReconstructionStore.create(tmp_path / "run")
-    auditor = Auditor(attacker, store=store, isolation="thread", workers=2, timeout=60.0)
+    auditor = Auditor(
+        attacker,
+        store=store,
+        attack=AttackSettings(timeout=60.0),
+        execution=ExecutionSettings(isolation="thread", workers=2),
+    )
     global_arrays, updates = _updates(3)
     auditor.start_round(1, global_arrays)
     start = time.perf_counter()
@@ -65,7 +70,9 @@ def test_audit_round_returns_before_the_attacks_finish_and_drain_waits(tmp_path:
 def test_a_full_queue_records_what_it_drops(policy: str, tmp_path: Path) -> None:
     attacker = GatedAttacker()
     auditor = Auditor(
-        attacker, isolation="thread", workers=1, queue_size=1, queue_policy=policy, timeout=60.0
+        attacker,
+        attack=AttackSettings(timeout=60.0),
+        execution=ExecutionSettings(isolation="thread", workers=1, queue_size=1, queue_policy=policy),
     )
     global_arrays, updates = _updates(4)
     auditor.start_round(1, global_arrays)
@@ -81,7 +88,10 @@ def test_a_full_queue_records_what_it_drops(policy: str, tmp_path: Path) -> None
 
 def test_block_policy_drops_nothing() -> None:
     attacker = RecordingAttacker()
-    auditor = Auditor(attacker, isolation="thread", workers=1, queue_size=1, queue_policy="block")
+    auditor = Auditor(
+        attacker,
+        execution=ExecutionSettings(isolation="thread", workers=1, queue_size=1, queue_policy="block"),
+    )
     global_arrays, updates = _updates(4)
     auditor.start_round(1, global_arrays)
     auditor.audit_round(1, updates)
@@ -112,7 +122,7 @@ def test_pool_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="queue policy must be one of block, drop-oldest, sample"):
         AttackPool(workers=1, policy="lifo")
     with pytest.raises(ValueError, match="backend must be 'local' or 'ray'"):
-        Auditor(RecordingAttacker(), backend="dask")
+        ExecutionSettings(backend="dask")
 
 
 def test_ray_backend_runs_an_attack_as_a_task() -> None:
@@ -144,7 +154,11 @@ def test_a_queued_attack_keeps_only_its_layer_update() -> None:
     """Waiting units hold the attacked layer's update, not every member's whole model."""
     from fl_attack.audit.units import Prepared
 
-    auditor = Auditor(RecordingAttacker(), isolation="thread", workers=1, timeout=60.0)
+    auditor = Auditor(
+        RecordingAttacker(),
+        attack=AttackSettings(timeout=60.0),
+        execution=ExecutionSettings(isolation="thread", workers=1),
+    )
     global_arrays, updates = _updates(1)
     auditor.start_round(1, global_arrays)
     assert auditor.layer is not None

@@ -68,7 +68,7 @@ def test_from_context_reads_the_run_config_and_overrides_win(tmp_path: Path) -> 
         FedAvg(), context, attack_time_budget=3.0, output_dir=str(tmp_path / "b"), attack_isolation="thread"
     )
     auditor = strategy.auditor
-    assert auditor.time_budget == 3.0 and auditor.attack_fraction == 0.5
+    assert auditor.attack.time_budget == 3.0 and auditor.sampling.attack_fraction == 0.5
     assert auditor.store is not None and auditor.store.directory == tmp_path / "b"
     assert not (tmp_path / "a").exists()
     strategy.close()

@@ -10,7 +10,7 @@ import torch
 
 from fl_attack import LayerUpdate, Reconstruction
 from fl_attack.attacks import LayerAttackBase
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
+from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, ExecutionSettings, GroundTruth
 from fl_attack.data.images import ImageData
 from fl_attack.data.tabular import CONTINUOUS, DISCRETE, TabularFeature, TabularSchema, score_reconstruction
 from fl_attack.data.tabular_data import TabularData
@@ -273,7 +273,11 @@ def test_auditor_scores_features_of_a_layer_after_convolutions() -> None:
         "fc1.bias": rng.standard_normal(6).astype(np.float32),
     }
     features = np.maximum(rng.standard_normal((3, 8)), 0.0)
-    auditor = Auditor(FixedAttacker(features[[1, 2, 0]]), scorer=FeatureScorer(), isolation="thread")  # type: ignore[arg-type]
+    auditor = Auditor(
+        FixedAttacker(features[[1, 2, 0]]),  # type: ignore[arg-type]
+        scorer=FeatureScorer(),
+        execution=ExecutionSettings(isolation="thread"),
+    )
     auditor.start_round(1, arrays)
     reply = {
         key: value - 0.01 * rng.standard_normal(value.shape).astype(np.float32)

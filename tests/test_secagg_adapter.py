@@ -17,7 +17,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 
 from clients.secagg import audit_metrics
-from fl_attack.audit import Auditor
+from fl_attack.audit import Auditor, SamplingSettings, SecAggSettings
 from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.store import load_table
 from fl_attack.simulate.secagg import (
@@ -68,7 +68,9 @@ def test_wrong_kinds_of_strategy_are_refused_in_one_line() -> None:
     with pytest.raises(
         ValueError, match="attack-partitions cannot pick clients inside a SecAgg\\+ aggregate"
     ):
-        AuditedLegacyStrategy(LegacyFedAvg(), Auditor(RecordingAttacker(), attack_partitions=[0]))
+        AuditedLegacyStrategy(
+            LegacyFedAvg(), Auditor(RecordingAttacker(), sampling=SamplingSettings(attack_partitions=[0]))
+        )
 
 
 def test_positional_names_find_the_linear_layers() -> None:
@@ -123,7 +125,7 @@ def _adapter_round(
     inner = RecordingFedAvg(min_fit_clients=4, min_available_clients=4)
     strategy = AuditedLegacyStrategy(
         inner,
-        Auditor(attacker, scorer=scorer(), secagg_group_size=2, secagg_quantization=FLOWER_DEFAULTS),
+        Auditor(attacker, scorer=scorer(), secagg=SecAggSettings(group_size=2, quantization=FLOWER_DEFAULTS)),
         array_names=NAMES,
     )
     order = run_flower_round(replies, start=start, strategy=strategy, seed=11, secure=secure)
@@ -151,7 +153,7 @@ def test_adapter_attacks_the_secaggplus_aggregate_as_one_unit_and_aggregates_lik
     assert sorted(record.details["members"]) == ["partition-0", "partition-1", "partition-2", "partition-3"]
     assert all(quality["samples"] == 2 for quality in record.details["members"].values())
     # the auditor's own settings are back: simulated groups of 2 with quantization
-    assert strategy.auditor.secagg_group_size == 2 and strategy.auditor.secagg_quantization == FLOWER_DEFAULTS
+    assert strategy.auditor.secagg == SecAggSettings(group_size=2, quantization=FLOWER_DEFAULTS)
 
     # aggregation: exactly the plain legacy FedAvg on what the workflow delivered, minus the audit metrics
     plain = LegacyFedAvg().aggregate_fit(1, inner.received, [])

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fl_attack.audit import AttackSettings, SecAggSettings
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate
 from fl_attack.audit.units import member_quality
 from fl_attack.evaluation.scoring import FeatureScorer, OrdinalSchema, TabularScorer
@@ -43,8 +44,8 @@ def _secagg_round(tmp_path: Path) -> HonestButCuriousStrategy:
         _fedavg(),
         RecordingAttacker(inputs=recovered),
         scorer=FeatureScorer(dataset=dataset),
-        secagg_group_size=2,
-        batch_size=4,
+        attack=AttackSettings(batch_size=4),
+        secagg=SecAggSettings(group_size=2),
         store=ReconstructionStore(tmp_path / "run", run_config={"secagg-group-size": 2}),
     )
     global_arrays = _global_arrays()

@@ -17,7 +17,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate
+from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, SecAggSettings
 from fl_attack.simulate.secagg import (
     FLOWER_DEFAULTS,
     SecAggPlusQuantization,
@@ -206,7 +206,7 @@ def test_auditor_models_secaggplus_when_asked() -> None:
     observed = {}
     for quantization in (None, FLOWER_DEFAULTS):
         attacker = RecordingAttacker()
-        auditor = Auditor(attacker, secagg_group_size=2, secagg_quantization=quantization, seed=3)
+        auditor = Auditor(attacker, secagg=SecAggSettings(group_size=2, quantization=quantization), seed=3)
         auditor.start_round(1, dict(zip(NAMES, start, strict=True)))
         (record,) = auditor.audit_round(1, updates)
         assert record.client == "secagg-partition-0_partition-1" and record.status == "ok"
@@ -227,7 +227,7 @@ def test_auditor_models_secaggplus_when_asked() -> None:
 
     # Without example counts SecAgg+ cannot weight: the unit fails with that reason, training goes on.
     unweighted = [ClientUpdate(identity=u.identity, arrays=u.arrays) for u in updates]
-    auditor = Auditor(RecordingAttacker(), secagg_group_size=2, secagg_quantization=FLOWER_DEFAULTS)
+    auditor = Auditor(RecordingAttacker(), secagg=SecAggSettings(group_size=2, quantization=FLOWER_DEFAULTS))
     auditor.start_round(1, dict(zip(NAMES, start, strict=True)))
     (record,) = auditor.audit_round(1, unweighted)
     assert record.status == "error"
@@ -241,8 +241,8 @@ def test_run_config_key_switches_the_simulated_quantization_on() -> None:
     auditor = build_auditor(
         {"secagg-group-size": 4, "secagg-quantization": True}, store=None, attacker=RecordingAttacker()
     )
-    assert auditor.secagg_quantization == FLOWER_DEFAULTS and auditor.secagg_group_size == 4
-    assert build_auditor({}, store=None, attacker=RecordingAttacker()).secagg_quantization is None
+    assert auditor.secagg.quantization == FLOWER_DEFAULTS and auditor.secagg.group_size == 4
+    assert build_auditor({}, store=None, attacker=RecordingAttacker()).secagg.quantization is None
     with pytest.raises(
         RunConfigError,
         match="unknown run-config key 'secagg-quantisation'; did you mean 'secagg-quantization'",

@@ -17,6 +17,7 @@ from fl_attack import SpearPlusPlus
 from fl_attack.data.images import load_dataset, sample_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.pipeline.budget import deadline as deadline_module
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.candidates import CandidatePool, duplicate_cos_tolerance
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, least_squares_kernel, min_sparsity
 from fl_attack.pipeline.search.sphere import (
@@ -306,7 +307,9 @@ def test_head_proposals_come_first_and_stop_when_they_stop_helping() -> None:
     assert head.calls == 4
 
 
-def _head_rounds(shallow: ShallowBatch, search: Search, *, deadline: float = math.inf) -> HeadRounds:
+def _head_rounds(
+    shallow: ShallowBatch, search: Search, *, deadline: Deadline = Deadline.never()
+) -> HeadRounds:
     prior = HeadPrior.from_head_weight(shallow.head_weight, width=WIDTH, rows=search.rows)
     return HeadRounds(
         search.factors,
@@ -319,7 +322,7 @@ def _head_rounds(shallow: ShallowBatch, search: Search, *, deadline: float = mat
 
 
 def test_head_rounds_at_a_passed_deadline_search_nothing(shallow: ShallowBatch, search: Search) -> None:
-    head = _head_rounds(shallow, search, deadline=0.0)
+    head = _head_rounds(shallow, search, deadline=Deadline(0.0))
     assert head.propose(search.truth[:2]).shape == (0, BATCH)
     assert head.stats() == {"head_searches": 0, "head_initializations": 0}
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fl_attack import LayerUpdate, SpearPlusPlus
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate
+from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings
 from fl_attack.results.report import load_summary
 from fl_attack.results.store import ReconstructionStore
 from tests.synthetic_layer import relu_layer_update
@@ -55,9 +55,8 @@ def test_an_update_without_low_rank_structure_is_not_attacked(tmp_path: Path) ->
     auditor = Auditor(
         MustNotRun(seed=0, progress=False),
         store=ReconstructionStore.create(tmp_path / "run"),
-        isolation="thread",
-        time_budget=30.0,
-        fallback="cocktail-party",
+        attack=AttackSettings(time_budget=30.0, fallback="cocktail-party"),
+        execution=ExecutionSettings(isolation="thread"),
     )
     (record,) = _audit(auditor, global_arrays, update)  # no fallback row either
     assert (record.status, record.verdict) == ("not-run", "not-applicable")
@@ -84,7 +83,9 @@ def test_a_low_rank_update_is_still_attacked() -> None:
         "fc.bias": (layer.bias - 0.01 * layer.bias_grad).numpy(),
     }
     auditor = Auditor(
-        SpearPlusPlus(seed=0, progress=False), isolation="thread", time_budget=20.0, fallback=""
+        SpearPlusPlus(seed=0, progress=False),
+        attack=AttackSettings(time_budget=20.0, fallback=""),
+        execution=ExecutionSettings(isolation="thread"),
     )
     update = ClientUpdate(ClientIdentity(node_id=3, partition_id=0), sent, num_examples=4)
     (record,) = _audit(auditor, global_arrays, update)
@@ -97,10 +98,8 @@ def test_the_fallback_is_not_run_on_more_samples_than_the_layer_can_unmix(tmp_pa
     update = _update(global_arrays, _full_rank_step(120, 400), examples=200)
     auditor = Auditor(
         SpearPlusPlus(seed=0, progress=False),
-        isolation="thread",
-        time_budget=5.0,
-        batch_size=200,
-        fallback="cocktail-party",
+        attack=AttackSettings(time_budget=5.0, batch_size=200, fallback="cocktail-party"),
+        execution=ExecutionSettings(isolation="thread"),
     )
     (record,) = _audit(auditor, global_arrays, update)
     assert record.status != "not-run"  # a given batch size leaves the decision to the attack
@@ -120,9 +119,8 @@ def test_an_update_of_full_rank_on_its_live_neurons_is_not_attacked(tmp_path: Pa
     auditor = Auditor(
         MustNotRun(seed=0, progress=False),
         store=ReconstructionStore.create(tmp_path / "run"),
-        isolation="thread",
-        time_budget=30.0,
-        fallback="",
+        attack=AttackSettings(time_budget=30.0, fallback=""),
+        execution=ExecutionSettings(isolation="thread"),
     )
     (record,) = _audit(auditor, global_arrays, update)
     assert (record.status, record.verdict) == ("not-run", "not-applicable")
@@ -140,7 +138,9 @@ def test_a_low_rank_update_with_dead_neurons_is_still_attacked() -> None:
         "fc.bias": (layer.bias - 0.01 * layer.bias_grad).numpy(),
     }
     auditor = Auditor(
-        SpearPlusPlus(seed=0, progress=False), isolation="thread", time_budget=20.0, fallback=""
+        SpearPlusPlus(seed=0, progress=False),
+        attack=AttackSettings(time_budget=20.0, fallback=""),
+        execution=ExecutionSettings(isolation="thread"),
     )
     update = ClientUpdate(ClientIdentity(node_id=3, partition_id=0), sent, num_examples=4)
     (record,) = _audit(auditor, global_arrays, update)

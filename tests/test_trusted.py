@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.noise.one_at_a_time import (
     AIMED_PER_MISSING,
     FIRST_ROUND_SHARE,
@@ -162,13 +163,13 @@ def test_the_sparsest_few_are_judged_together() -> None:
 def test_past_its_deadline_only_the_seed_is_judged() -> None:
     layer = _layer()
     selection = trusted_selection(
-        layer.scorer, layer.directions, torch.ones(6, dtype=torch.float64), deadline=0.0
+        layer.scorer, layer.directions, torch.ones(6, dtype=torch.float64), deadline=Deadline(0.0)
     )
     assert selection.found.tolist() == [True] * 6  # the six are the seed: judged together
     late = trusted_selection(
         layer.scorer,
         torch.cat([_junk(6, 6), layer.directions]),
         torch.arange(12, 0, -1).double(),
-        deadline=0.0,
+        deadline=Deadline(0.0),
     )
     assert not bool(late.found.any())  # the junk seed fails and nothing else is tried

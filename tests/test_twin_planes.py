@@ -98,12 +98,11 @@ def _attack(
         for model in (received, net)
     )
     weight, bias = first.weight.detach().double(), first.bias.detach().double()
-    result = get_attack("spear++", device="cpu", seed=0, progress=False).invert(
+    result = get_attack("spear++", device="cpu", seed=0, time_budget=time_budget, progress=False).invert(
         changed.weight.detach().double() - weight,
         changed.bias.detach().double() - bias,
         weight=weight,
         bias=bias,
-        time_budget=time_budget,
         batch_size=8,
     )
     return result.complete, result.inputs.numpy()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fl_attack import CocktailPartyAttack, Spear, SpearPlusPlus
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.validation import resolve_device
 
 
@@ -21,9 +22,15 @@ def _update() -> tuple[np.ndarray, ...]:
 @pytest.mark.parametrize("budget", [float("nan"), float("inf"), 0.0, -1.0, True, "30"])
 @pytest.mark.parametrize("attack", [SpearPlusPlus, CocktailPartyAttack])
 def test_bad_time_budgets_are_refused(attack: type, budget: object) -> None:
-    dw, db, w, b = _update()
     with pytest.raises(ValueError, match="time_budget must be") as raised:
-        attack(progress=False).invert(dw, db, weight=w, bias=b, time_budget=budget)
+        attack(progress=False, time_budget=budget)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), 0.0, -1.0, True, "30"])
+def test_a_call_budget_refuses_bad_seconds(budget: object) -> None:
+    with pytest.raises(ValueError, match="time_budget must be") as raised:
+        Budget.start(budget)  # type: ignore[arg-type]
     assert "\n" not in str(raised.value)
 
 

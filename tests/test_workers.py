@@ -117,10 +117,47 @@ def test_worker_process_runs_at_the_chosen_cpu_priority(priority: str, policy: s
 
 
 def test_unknown_worker_priority_is_refused_naming_the_choices() -> None:
-    from fl_attack.audit import Auditor
+    from fl_attack.audit import ExecutionSettings
     from fl_attack.audit.workers import ProcessAttackRunner
 
     with pytest.raises(ValueError, match="priority must be one of idle, low, got 'high'"):
         ProcessAttackRunner(SchedulingAttacker(), priority="high")
     with pytest.raises(ValueError, match="priority must be one of idle, low, got 'realtime'"):
-        Auditor(SchedulingAttacker(), priority="realtime")
+        ExecutionSettings(priority="realtime")
+
+
+class BudgetSpy(LayerAttackBase):
+    """Records the budget each call is given."""
+
+    time_budget = 7.0
+
+    def __init__(self) -> None:
+        self.budgets: list[Any] = []
+
+    def attack(
+        self, update: LayerUpdate[np.ndarray], /, *, batch_size: int | None = None, budget: Any = None
+    ) -> Reconstruction:
+        self.budgets.append(budget)
+        return _complete(torch.as_tensor(update.weight_update[:2], dtype=torch.float64))
+
+
+def test_the_worker_starts_the_attacks_one_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fl_attack.audit.workers import run_attack
+    from fl_attack.pipeline.budget import budget as budget_module
+    from fl_attack.pipeline.budget.budget import Budget
+
+    monkeypatch.setattr(budget_module, "now", lambda: 50.0)
+    rng = np.random.default_rng(0)
+    arrays = {
+        "weight_update": rng.standard_normal((WIDTH, INPUT_DIM)),
+        "bias_update": rng.standard_normal(WIDTH),
+        "weight": rng.standard_normal((WIDTH, INPUT_DIM)),
+        "bias": rng.standard_normal(WIDTH),
+    }
+    alone = LayerUpdate(**arrays)
+    followed = LayerUpdate(**arrays, next_weight_update=rng.standard_normal((3, WIDTH)), after_layers=True)
+    spy = BudgetSpy()
+    assert run_attack(spy, alone, time_budget=4.0).status == "ok"
+    assert run_attack(spy, alone).status == "ok"  # no audit budget: the attacker's own
+    assert run_attack(spy, followed, time_budget=4.0).status == "ok"  # the route may follow: half
+    assert spy.budgets == [Budget(4.0, started=50.0), Budget(7.0, started=50.0), Budget(2.0, started=50.0)]

@@ -39,7 +39,7 @@ from measure_frontier import client_step, fit_images, image_scores  # noqa: E402
 
 from clients.ground_truth import layer_inputs  # noqa: E402
 from fl_attack import get_attack  # noqa: E402
-from fl_attack.audit import Auditor  # noqa: E402
+from fl_attack.audit import AttackSettings, Auditor  # noqa: E402
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate  # noqa: E402
 from fl_attack.data.images import ImageData, load_dataset  # noqa: E402
 from fl_attack.results.store import AttackRecord  # noqa: E402
@@ -112,7 +112,9 @@ def trial(batch_size: int, seed: int, args: argparse.Namespace) -> dict[str, Any
         received, net = twin_step(images, labels, seed=seed, lr=args.lr)
     truth = layer_inputs(received, images).double().numpy()
     attack = get_attack("spear++", device="cpu", seed=0, progress=False)
-    auditor = Auditor(attack, batch_size=batch_size, time_budget=args.time_budget, fallback=None)
+    auditor = Auditor(
+        attack, attack=AttackSettings(batch_size=batch_size, time_budget=args.time_budget, fallback=None)
+    )
     auditor.start_round(1, state_arrays(received))
     started = time.perf_counter()
     (record,) = auditor.audit_round(

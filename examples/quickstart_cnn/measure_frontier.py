@@ -158,7 +158,6 @@ def trial(
             net.fc1.bias.detach().double() - bias,
             weight=weight,
             bias=bias,
-            time_budget=args.time_budget,
         )
         row["seconds"] = round(time.perf_counter() - started, 1)
         row["complete"] = reconstruction.complete

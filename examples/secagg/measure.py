@@ -35,8 +35,17 @@ import torch
 from secagg_example.task import app_config, draw_batch, fedsgd_step, load_data, make_model, partition
 
 from fl_attack import get_attack
-from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth
+from fl_attack.audit import (
+    AttackSettings,
+    Auditor,
+    ClientIdentity,
+    ClientUpdate,
+    ExecutionSettings,
+    GroundTruth,
+    SecAggSettings,
+)
 from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.pipeline.budget.budget import hard_limit
 from fl_attack.results.store import load_table
 from fl_attack.simulate.secagg import SecAggPlusQuantization
 
@@ -131,11 +140,9 @@ def simulated(
     auditor = Auditor(
         get_attack("spear++", device="cpu", seed=0, time_budget=time_budget, progress=False),
         scorer=scorer,
-        time_budget=time_budget,
-        timeout=1.5 * time_budget + 15.0,
-        isolation="thread",
-        secagg_group_size=NUM_CLIENTS,
-        secagg_quantization=quantization,
+        attack=AttackSettings(time_budget=time_budget, timeout=hard_limit(time_budget)),
+        execution=ExecutionSettings(isolation="thread"),
+        secagg=SecAggSettings(group_size=NUM_CLIENTS, quantization=quantization),
     )
     try:
         auditor.start_round(1, start)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, LayerUpdate
 
@@ -34,7 +35,7 @@ class LayerAttackBase(ABC):
         /,
         *,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Recover the batch of inputs behind ``update`` (see :meth:`invert` for the parameters)."""
 
@@ -46,7 +47,7 @@ class LayerAttackBase(ABC):
         weight: ArrayLike,
         bias: ArrayLike,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
         noise_level: float | None = None,
         head_weight: ArrayLike | None = None,
         local_steps: int | None = None,
@@ -67,8 +68,11 @@ class LayerAttackBase(ABC):
             The layer's parameters at which the gradient was taken.
         batch_size
             The batch size, if known; otherwise estimated from the singular-value gap.
-        time_budget
-            Overrides the attack's time budget for this call.
+        budget
+            The attack's time budget, already started
+            (:meth:`fl_attack.pipeline.budget.budget.Budget.start`; an audit starts it once per
+            attack); None: ``Budget.start(time_budget)`` with the attack's own ``time_budget``,
+            from this call.
         noise_level
             Overrides the attack's known relative noise level for this call.
         head_weight
@@ -120,4 +124,4 @@ class LayerAttackBase(ABC):
         ]
         if unused:
             raise TypeError(f"{type(self).__name__}.invert() does not take {', '.join(unused)}")
-        return self.attack(update, batch_size=batch_size, time_budget=time_budget)
+        return self.attack(update, batch_size=batch_size, budget=budget)

@@ -28,7 +28,6 @@ Beyond the paper, the scale and sign of every source are fixed exactly as SPEAR 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 
 from fl_attack.attacks.base import LayerAttackBase
 from fl_attack.attacks.fast_ica import NONLINEARITIES, IcaResult, principal_subspace, symmetric_fastica
+from fl_attack.pipeline.budget.budget import Budget, Deadline
 from fl_attack.pipeline.spectrum.decompose import estimate_batch_size
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, LayerUpdate, ObservedUpdate
@@ -119,7 +119,7 @@ class CocktailPartyAttack(LayerAttackBase):
         /,
         *,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Unmix the layer's inputs from its update.
 
@@ -130,9 +130,10 @@ class CocktailPartyAttack(LayerAttackBase):
             does not use them); none of its optional parts (:attr:`uses`).
         batch_size
             The number of sources; None estimates it from the singular-value gap.
-        time_budget
-            Seconds to spend (None: the constructor's). The decompositions run whole; the ICA
-            iterations stop before the budget would be passed.
+        budget
+            The attack's time budget, already started (None: the constructor's ``time_budget``,
+            from this call). The decompositions run whole; the ICA iterations stop before the
+            budget would be passed.
 
         Returns
         -------
@@ -149,10 +150,8 @@ class CocktailPartyAttack(LayerAttackBase):
             On malformed input, a batch size above ``min(m, n)``, or an update whose batch size
             cannot be estimated.
         """
-        start = time.perf_counter()
-        budget = check_time_budget(time_budget)
-        budget = self.time_budget if budget is None else budget
-        deadline = None if budget is None else start + budget
+        budget = Budget.start(self.time_budget) if budget is None else budget
+        deadline = budget.deadline
         check_batch_size(batch_size)
         update = ObservedUpdate.from_update(observed, device=self.device)
         dw, db = update.weight_update, update.bias_update
@@ -186,21 +185,19 @@ class CocktailPartyAttack(LayerAttackBase):
             "nonlinearity": self.nonlinearity,
             "directions_found": 0,
         }
-        if budget is not None:
-            stats["time_budget"] = budget
+        if budget.seconds is not None:
+            stats["time_budget"] = budget.seconds
         return Reconstruction(
             inputs=unmixed.inputs.detach().cpu().contiguous(),
             batch_size=b,
             sparsity_matching=float("nan"),
             complete=False,
             confidence=(kurtosis / (1.0 + kurtosis)).detach().cpu(),
-            seconds=time.perf_counter() - start,
+            seconds=budget.elapsed(),
             stats=stats,
         )
 
-    def _ica(
-        self, whitened: torch.Tensor, *, generator: torch.Generator, deadline: float | None
-    ) -> IcaResult:
+    def _ica(self, whitened: torch.Tensor, *, generator: torch.Generator, deadline: Deadline) -> IcaResult:
         return symmetric_fastica(
             whitened.float() if whitened.shape[0] >= FLOAT32_FROM_SOURCES else whitened,
             nonlinearity=self.nonlinearity,
@@ -217,7 +214,7 @@ class CocktailPartyAttack(LayerAttackBase):
         b: int,
         *,
         generator: torch.Generator,
-        deadline: float | None,
+        deadline: Deadline,
     ) -> _Unmixed:
         """Sources are the (centred) inputs; observations are the ``n`` input coordinates."""
         n = dw.shape[1]
@@ -242,7 +239,7 @@ class CocktailPartyAttack(LayerAttackBase):
         b: int,
         *,
         generator: torch.Generator,
-        deadline: float | None,
+        deadline: Deadline,
     ) -> _Unmixed:
         """Sources are the output-gradient columns ``g_i``; observations are the ``m`` neurons."""
         m = dw.shape[0]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
+
 #: Nonlinearities of the fixed-point iteration: ``logcosh`` (robust, G(y) = log cosh y) or
 #: ``cube`` (kurtosis, G(y) = y^4 / 4).
 NONLINEARITIES = ("logcosh", "cube")
@@ -139,7 +141,7 @@ def symmetric_fastica(
     max_iter: int = 200,
     tolerance: float = 1e-4,
     generator: torch.Generator,
-    deadline: float | None = None,
+    deadline: Deadline = Deadline.never(),
 ) -> IcaResult:
     """Find the orthogonal unmixing of ``whitened`` that makes its rows maximally non-Gaussian.
 
@@ -155,9 +157,9 @@ def symmetric_fastica(
         Converged when every unmixing row moves by less (``| |<w, w'>| - 1 |``).
     generator : torch.Generator
         Seeds the initial unmixing matrix.
-    deadline : float or None (default: None)
-        ``time.perf_counter()`` value not to pass: no iteration starts when the last one's
-        duration would carry it past the deadline.
+    deadline : Deadline (default: ``Deadline.never()``)
+        Not to be passed: no iteration starts when the last one's duration would carry it past
+        the deadline.
 
     Returns
     -------
@@ -170,7 +172,7 @@ def symmetric_fastica(
     unmixing = symmetric_decorrelation(initial.to(whitened.dtype))
     change, last_seconds = math.inf, 0.0
     for iteration in range(max_iter):
-        if deadline is not None and time.perf_counter() + last_seconds > deadline:
+        if not deadline.fits(last_seconds):
             return IcaResult(unmixing=unmixing, iterations=iteration, change=change, stopped_by="time_budget")
         started = time.perf_counter()
         projected = unmixing @ whitened

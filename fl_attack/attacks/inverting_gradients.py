@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fl_attack.pipeline.budget.budget import Budget, Deadline
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.simulate.gradients import LOSSES
 from fl_attack.types import ArrayLike, resolve_device
@@ -240,7 +241,7 @@ class InvertingGradients:
         data_mean: Sequence[float] | None = None,
         data_std: Sequence[float] | None = None,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Reconstruct a batch from the gradient of every model parameter.
 
@@ -266,8 +267,9 @@ class InvertingGradients:
             ``[0, 1]`` themselves.
         batch_size
             The batch size, if known separately; must equal ``len(labels)``.
-        time_budget
-            Overrides the attack's time budget for this call.
+        budget
+            The attack's time budget, already started (None: the constructor's ``time_budget``,
+            from this call).
 
         Returns
         -------
@@ -287,10 +289,8 @@ class InvertingGradients:
             ``b`` integers within the model's outputs, a ``batch_size`` that disagrees with
             them, a bad ``input_shape`` or normalization, or a model that rejects the inputs.
         """
-        start = time.perf_counter()
-        budget = time_budget if time_budget is not None else self.time_budget
-        check_budget(budget)
-        deadline = start + budget if budget is not None else math.inf
+        budget = Budget.start(self.time_budget) if budget is None else budget
+        deadline = budget.deadline
         device = resolve_device(self.device)
         problem = self._prepare(
             gradients,
@@ -306,18 +306,19 @@ class InvertingGradients:
         runs: list[_Restart] = []
         stopped_by = "iterations"
         for index in range(self.restarts):
-            now = time.perf_counter()
-            if runs and now >= deadline:
+            left = deadline.remaining()
+            if runs and left <= 0:
                 stopped_by = "time_budget"
                 break
-            share = (deadline - now) / (self.restarts - index)
-            runs.append(self._restart(problem, generator, now + share))
+            runs.append(
+                self._restart(problem, generator, Deadline.in_seconds(left / (self.restarts - index)))
+            )
             if runs[-1].iterations < self.iterations:
                 stopped_by = "time_budget"
         best = min(runs, key=lambda run: run.matching_loss)
         cosine = 1.0 - best.matching_loss
         b = problem.labels.shape[0]
-        elapsed = time.perf_counter() - start
+        elapsed = budget.elapsed()
         stats: dict[str, Any] = {
             "attack": self.name,
             "matching_loss": best.matching_loss,
@@ -356,7 +357,7 @@ class InvertingGradients:
     def _uses_tv(self, shape: tuple[int, ...]) -> bool:
         return self.tv_weight > 0 and len(shape) == 3
 
-    def _restart(self, problem: _Problem, generator: torch.Generator, deadline: float) -> _Restart:
+    def _restart(self, problem: _Problem, generator: torch.Generator, deadline: Deadline) -> _Restart:
         """One random initialization optimized until its iterations or its deadline run out."""
         dtype = problem.params[0].dtype
         device = problem.params[0].device
@@ -368,17 +369,17 @@ class InvertingGradients:
         adam = _Adam(x)
         total = self.iterations
         boundaries = self._boundaries(total)
-        started = time.perf_counter()
+        started, seconds = time.perf_counter(), deadline.remaining()
         initial = math.nan
         done = 0
         for step in range(self.iterations):
-            if step == _PROBE_ITERATIONS and math.isfinite(deadline):
+            if step == _PROBE_ITERATIONS and deadline.bounded:
                 per_step = (time.perf_counter() - started) / step
-                fits = int((deadline - started) / max(per_step, 1e-9))
+                fits = int(seconds / max(per_step, 1e-9))
                 if fits < total:
                     total = max(step + 1, fits)
                     boundaries = self._boundaries(total)
-            if step >= total or (step > 0 and time.perf_counter() > deadline):
+            if step >= total or (step > 0 and deadline.expired()):
                 break
             matching = problem.matching_loss(x, create_graph=True)
             if step == 0:

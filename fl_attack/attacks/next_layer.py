@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.types import LayerUpdate
 
 __all__ = ["NextLayerResult", "RecoveredSample", "checked_next_layer", "recover_from_next_layer"]
@@ -161,17 +162,17 @@ def smooth_starts(
     starts: np.ndarray,
     *,
     steps: int = 300,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> np.ndarray:
     """Adam on the softplus relaxation of ``|P_perp relu(A u + b)| / |relu(A u + b)|`` from every start.
 
-    At ``deadline`` (a ``time.perf_counter()`` value) the points reached so far are returned.
+    At ``deadline`` the points reached so far are returned.
     """
     matrix, shift, projector = (torch.from_numpy(item) for item in (inputs_map, bias, outside))
     points = torch.from_numpy(starts.copy()).requires_grad_(True)
     optimizer = torch.optim.Adam([points], lr=0.05)
     for step in range(steps):
-        if step % 10 == 0 and time.perf_counter() > deadline:
+        if step % 10 == 0 and deadline.expired():
             break
         beta = 5.0 * 40.0 ** (step / max(steps - 1, 1))
         active = torch.nn.functional.softplus(points @ matrix.T + shift, beta=beta)
@@ -335,19 +336,20 @@ def recover_from_next_layer(
     deflating: list[np.ndarray] = []
     rounds = 0
     started = time.perf_counter()
+    deadline = Deadline.in_seconds(time_budget)
 
     def out_of_time() -> bool:
-        return rounds > min_rounds and time.perf_counter() - started > time_budget
+        return rounds > min_rounds and deadline.expired()
 
-    while (rounds < min_rounds or time.perf_counter() - started < time_budget) and len(samples) < batch_size:
+    while (rounds < min_rounds or not deadline.expired()) and len(samples) < batch_size:
         if max_rounds is not None and rounds >= max_rounds:
             break
         rounds += 1
         reduced = complement(deflating, batch_size)
         inputs_map = full_map @ reduced
         points = _random_starts(rng, basis @ reduced, inputs_map, observed.bias, starts)
-        deadline = started + time_budget if rounds > min_rounds else math.inf
-        for point in smooth_starts(inputs_map, observed.bias, outside, points, deadline=deadline):
+        smoothing = deadline if rounds > min_rounds else Deadline.never()
+        for point in smooth_starts(inputs_map, observed.bias, outside, points, deadline=smoothing):
             if out_of_time() or len(samples) == batch_size:
                 break
             solved, residual = pattern_iteration(point, inputs_map, observed.bias, outside)

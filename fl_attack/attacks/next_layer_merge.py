@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
 from fl_attack.pipeline.selection.select import SparsityMatchingScorer
 from fl_attack.pipeline.selection.self_check import self_check
@@ -42,17 +43,12 @@ from .next_layer import DUPLICATE_COSINE, NextLayerResult, checked_next_layer, r
 
 __all__ = [
     "CONFIDENT_MATCHING",
-    "NEXT_LAYER_SHARE",
     "batch_matching",
     "complete_with_next_layer",
-    "exact_attack_budget",
     "merged_rows",
     "route_budget",
 ]
 
-#: Where the route may follow, the exact attack gets all but this share of the time budget, so
-#: that both end by the budget.
-NEXT_LAYER_SHARE = 0.5
 #: The route's seconds when the attack has no time budget.
 UNBOUNDED_ROUTE_SECONDS = 60.0
 #: Fewer seconds left than this: the route is not started.
@@ -70,18 +66,17 @@ ZERO_TOLERANCE_FACTOR = 30.0
 ROUTE_CHECKED, EXACT_ATTACK, ROUTE_UNCHECKED, EXACT_ATTACK_WEAK, DUPLICATE = range(5)
 
 
-def exact_attack_budget(time_budget: float | None) -> float | None:
-    """The exact attack's share of ``time_budget`` where the route may follow it (None: unbounded)."""
-    if time_budget is None or not math.isfinite(time_budget):
-        return time_budget
-    return (1.0 - NEXT_LAYER_SHARE) * time_budget
+def route_budget(budget: Budget | None) -> float:
+    """Seconds the route may spend: what is left of the attack's ``budget`` (None or unbounded:
+    :data:`UNBOUNDED_ROUTE_SECONDS`).
 
-
-def route_budget(seconds_left: float | None) -> float:
-    """Seconds the route may spend given the attack's ``seconds_left`` (None: no budget)."""
-    if seconds_left is None or not math.isfinite(seconds_left):
+    Where the route may follow, the exact attack ran on
+    :meth:`fl_attack.pipeline.budget.budget.Budget.exact_attack_share` of the same budget, so
+    that both end by it.
+    """
+    if budget is None or not budget.bounded:
         return UNBOUNDED_ROUTE_SECONDS
-    return max(seconds_left, 0.0)
+    return max(budget.remaining(), 0.0)
 
 
 def pattern_agreement(
@@ -192,7 +187,7 @@ def complete_with_next_layer(
     reconstruction: Reconstruction,
     observed: LayerUpdate[np.ndarray],
     *,
-    time_budget: float | None,
+    budget: Budget | None,
     seed: int = 0,
 ) -> Reconstruction:
     """``reconstruction`` merged with the next-layer route's rows (see the module docstring).
@@ -203,9 +198,9 @@ def complete_with_next_layer(
         An exact attack's result on ``observed``'s first update (with its self-check).
     observed
         The attacked layer, its update and the next linear layer's update.
-    time_budget
-        Seconds left of the attack's time budget (None: no budget); the route stops by
-        :func:`route_budget` of it, and is not started with less than
+    budget
+        The attack's time budget (None: no budget); the route stops by :func:`route_budget`
+        (what is left of it), and is not started with less than
         :data:`MIN_ROUTE_SECONDS` left (``next_layer_skipped`` in the ``stats``).
     seed
         Seeds the route's starts.
@@ -231,7 +226,7 @@ def complete_with_next_layer(
     m, following = observed.weight.shape[0], checked_next_layer(observed).shape[0]
     if reconstruction.complete or reconstruction.self_check is None or not 1 < b < min(m, following):
         return reconstruction
-    seconds = route_budget(time_budget)
+    seconds = route_budget(budget)
     if seconds < MIN_ROUTE_SECONDS:
         skipped = f"{seconds:.2f} s left of the time budget"
         return dataclasses.replace(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fl_attack.attacks.base import LayerAttackBase
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Budget, Deadline
 from fl_attack.pipeline.budget.out_of_time import decompose_in_time
 from fl_attack.pipeline.local_training.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.local_training.drift_proposals import interleave_drift_rounds
@@ -31,6 +30,7 @@ from fl_attack.pipeline.search.candidates import (
     informative_rows,
     rows_not_in,
 )
+from fl_attack.pipeline.search.progress import report_selection
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, min_sparsity
 from fl_attack.pipeline.selection.near_duplicates import split_blends, twin_self_check
 from fl_attack.pipeline.selection.precision import precision_stats
@@ -77,16 +77,6 @@ DECAY_GAIN = 0.1
 #: eigenvalues next to it: 2e-5 relative error, rows off by 4e-4, before one correction).
 DECAY_REFINEMENTS = 2
 
-#: Seconds (at most) that pruning a noisy selection may run past the time budget...
-PRUNE_GRACE = 30.0
-#: ... and the most it may run past it as a fraction of the budget: with the stages' own
-#: overrun (one chunk of work each), the attack returns within 110% of its budget.
-PRUNE_GRACE_FRACTION = 0.05
-
-#: The search stops early by the estimated cost of the final selection and self-check, but
-#: by at most this fraction of the budget.
-FINISH_FRACTION = 0.05
-
 #: On a noisy gradient, b directions are reported as a complete reconstruction only when their
 #: mean sparsity matching reaches this; chance is ~0.5. Measured under DP noise: 0.49-0.62 gave
 #: inputs below 13 dB (CIFAR-10 (20, 200) at 2x median, (150, 4000) at 0.5x, photo patches
@@ -105,11 +95,11 @@ class SearchState:
     factors: LowRankFactors
     pool: CandidatePool
     generator: torch.Generator
-    deadline: float
+    deadline: Deadline
     stats: dict[str, Any]
     active: torch.Tensor
     noisy: bool
-    finish_by: float = math.inf
+    finish_by: Deadline = Deadline.never()
     head: HeadPrior | None = None
     incumbent: torch.Tensor | None = None  # the best complete selection's directions so far
     input_side: InputSideSlot | None = None  # set by the input-side rounds where they run
@@ -131,11 +121,13 @@ class GradientInversionAttack(LayerAttackBase):
         the same reconstruction.
     time_budget
         Seconds within which ``invert`` returns the best reconstruction it has, measured from its
-        call; None for no limit. Every stage checks the deadline between bounded chunks of work
-        (:mod:`fl_attack.pipeline.budget.deadline`; a LAPACK call is not started when it would not fit),
-        the search leaves time for the final selection and self-check, and on noisy gradients
-        pruning (:func:`fl_attack.pipeline.selection.select.prune_doubtful`) may run 5% of it (30 s at most)
-        past it: ``invert`` returns within 110% of the budget.
+        call (unless the call brings its own started ``budget``); None for no limit. Every stage
+        checks the deadline between bounded chunks of work (:mod:`fl_attack.pipeline.budget.deadline`;
+        a LAPACK call is not started when it would not fit), the search leaves time for the final
+        selection and self-check, and on noisy gradients pruning
+        (:func:`fl_attack.pipeline.selection.select.prune_doubtful`) may run 5% of it (30 s at most)
+        past it: ``invert`` returns within 110% of the budget. Every share of the budget is the
+        :class:`fl_attack.pipeline.budget.budget.Budget`'s.
     false_rejection
         Probability of wrongly discarding a correct direction by the sparsity filter
         (SPEAR Sec. 4.1); sets the minimum zero fraction ``tau``.
@@ -200,27 +192,23 @@ class GradientInversionAttack(LayerAttackBase):
         /,
         *,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Recover the inputs of the batch behind the ``observed`` update (:meth:`invert` on its
         arrays); reads all of its optional parts (:attr:`uses`)."""
-        start = time.perf_counter()
-        check_time_budget(time_budget)
+        budget = Budget.start(self.time_budget) if budget is None else budget
         check_batch_size(batch_size)
         device = resolve_device(self.device)
         update = ObservedUpdate.from_update(observed, device=device)
         following = next_layer_update(observed.next_weight_update, width=update.width, device=device)
-        budget = time_budget if time_budget is not None else self.time_budget
         local_steps = self.local_steps if observed.local_steps is None else observed.local_steps
-        factors = decompose_in_time(update, name=self.name, batch_size=batch_size, start=start, budget=budget)
+        factors = decompose_in_time(update, name=self.name, batch_size=batch_size, budget=budget)
         if isinstance(factors, Reconstruction):
             return factors  # the budget ran out in the decomposition
         noise = observed.noise_level if observed.noise_level is not None else self.noise_level
         decay_scale = 0.0
         if noise is None and factors.spectrum.relative_noise > DECAY_CHECK_ABOVE:
-            cleaned = self._without_weight_decay(
-                update, factors, batch_size=batch_size, start=start, budget=budget
-            )
+            cleaned = self._without_weight_decay(update, factors, batch_size=batch_size, budget=budget)
             if cleaned is not None:
                 update, factors, decay_scale = cleaned
         b, m, floor = factors.batch_size, update.width, factors.spectrum.rounding_floor
@@ -277,29 +265,25 @@ class GradientInversionAttack(LayerAttackBase):
             factors=search_factors,
             pool=pool,
             generator=generator,
-            deadline=start + budget - min(FINISH_FRACTION * budget, finishing_seconds(update, batch_size=b))
-            if budget is not None
-            else math.inf,
+            deadline=budget.search(finishing_seconds(update, batch_size=b)),
             stats=stats,
             active=active,
             noisy=noisy,
-            finish_by=start + budget + min(PRUNE_GRACE, PRUNE_GRACE_FRACTION * budget)
-            if budget is not None
-            else math.inf,
+            finish_by=budget.pruning,
             head=prior,
         )
         state.deflation = deflation_for(following, pool, update, active, local_steps=local_steps, stats=stats)
         selection = self._run(state, scorer)
         accepted = self._accepted(selection, scorer)
         selection = with_certified_rows(selection, state.deflation)  # incomplete: certified rows are exact
-        if not accepted and stats.get("stopped_by") != "no_improvement" and expired(state.deadline):
+        if not accepted and stats.get("stopped_by") != "no_improvement" and state.deadline.expired():
             stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(
             candidates=len(pool),
             proposals=pool.proposals_seen,
             rejected_by_sparsity=pool.rejected_sparsity,
             directions_found=int(selection.found.sum()),
-            time_budget=budget,
+            time_budget=budget.seconds,
             budget_exhausted=stats.get("stopped_by") == "time_budget",
         )
         epoch = epoch_fit_for(scorer, selection, accept_matching=self.accept_matching)
@@ -329,7 +313,7 @@ class GradientInversionAttack(LayerAttackBase):
             selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
         claimed = claimed and not stats.get("drift_aware", False)
-        elapsed = time.perf_counter() - start
+        elapsed = budget.elapsed()
         found, verdict = stats["directions_found"], "passed" if check.passed else "failed"
         logger.info(
             "%s: b=%d found=%d/%d lambda=%.4f self-check %s in %.2fs",
@@ -377,7 +361,7 @@ class GradientInversionAttack(LayerAttackBase):
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
-                    if expired(state.deadline):
+                    if state.deadline.expired():
                         state.stats["stopped_by"] = "time_budget"
                         break
                     continue
@@ -389,6 +373,7 @@ class GradientInversionAttack(LayerAttackBase):
                         improved = best is None or candidate.sparsity_matching > best.sparsity_matching + 1e-3
                         best = candidate
                         state.latest = best
+                        report_selection(best, stats=state.stats, deflation=state.deflation)
                         stale = 0 if improved else stale + 1
                     else:
                         stale += 1
@@ -400,7 +385,7 @@ class GradientInversionAttack(LayerAttackBase):
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
-                if expired(state.deadline):
+                if state.deadline.expired():
                     state.stats["stopped_by"] = "time_budget"
                     break
         finally:
@@ -426,8 +411,7 @@ class GradientInversionAttack(LayerAttackBase):
         factors: LowRankFactors,
         *,
         batch_size: int | None,
-        start: float,
-        budget: float | None,
+        budget: Budget,
     ) -> tuple[ObservedUpdate, LowRankFactors, float] | None:
         """The update less weight decay's ``beta W_0`` (:mod:`fl_attack.pipeline.local_training.weight_decay`) and
         its factors, when removing it leaves a clean update; None otherwise."""
@@ -437,9 +421,7 @@ class GradientInversionAttack(LayerAttackBase):
         best: tuple[ObservedUpdate, LowRankFactors, float] | None = None
         for _ in range(DECAY_REFINEMENTS + 1):
             cleaned = remove_weight_decay(update, scale)
-            refactored = decompose_in_time(
-                cleaned, name=self.name, batch_size=batch_size, start=start, budget=budget
-            )
+            refactored = decompose_in_time(cleaned, name=self.name, batch_size=batch_size, budget=budget)
             if isinstance(refactored, Reconstruction):
                 break
             noise = refactored.spectrum.relative_noise
@@ -472,7 +454,7 @@ class GradientInversionAttack(LayerAttackBase):
         if state.noisy or (state.deflation is not None and state.deflation.progressing):
             return selection  # the deflated search still certifies samples: no mixtures to split yet
         for _ in range(self.split_rounds):
-            if self._accepted(selection, scorer) or expired(state.deadline):
+            if self._accepted(selection, scorer) or state.deadline.expired():
                 break
             unselected = rows_not_in(pool.directions, selection.directions[selection.found])
             doubtful = selection.directions[selection.found & (selection.per_sample < self.accept_matching)]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fl_attack.attacks.spear import GradientInversionAttack, SearchState
-from fl_attack.pipeline.budget.deadline import expired, map_rows, qr_seconds
+from fl_attack.pipeline.budget.deadline import map_rows, qr_seconds
 from fl_attack.pipeline.noise.one_at_a_time import round_plan, uses_trusted_selection
 from fl_attack.pipeline.search.aimed_rounds import AimedRound, aimed_round, exact_found, ordinary_lr
 from fl_attack.pipeline.search.sparsity import round_minima
@@ -200,7 +200,7 @@ class SpearPlusPlus(GradientInversionAttack):
                 minima = minima @ space.T  # back to the full space, where the rounding is exact
             used += count
             state.stats["initializations"] = used
-            if expired(state.deadline):
+            if state.deadline.expired():
                 return  # no time left to round the minima
             if self.surrogate.needs_rounding:
                 rounded = sampling_rounding(
@@ -223,7 +223,7 @@ class SpearPlusPlus(GradientInversionAttack):
             if state.deflation is not None:
                 state.deflation.hold(rounded)  # certified only if the search goes on
             yield rounded
-            if expired(state.deadline):
+            if state.deadline.expired():
                 return
 
     def _exact(self, state: SearchState) -> torch.Tensor:
@@ -294,7 +294,7 @@ class Spear(GradientInversionAttack):
             yield map_rows(
                 _kernel_of_rows(left), rows, seconds_per_row=qr_seconds(b), deadline=state.deadline
             )
-            if expired(state.deadline):
+            if state.deadline.expired():
                 return
 
 

@@ -8,20 +8,14 @@ ground truth, when a client sent it, is used afterwards for scoring only.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from fl_attack.results.store import AttackRecord, ReconstructionStore
-from fl_attack.simulate.secagg import SecAggPlusQuantization
 from fl_attack.types import LayerAttack, LayerUpdate
-from fl_attack.validation import check_batch_size, check_time_budget
 from fl_attack.vocabulary import (
     STATUS_DROPPED,
     STATUS_ERROR,
@@ -37,24 +31,21 @@ from .memory import release_freed_memory
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
 from .prepare import GlobalLayer, finite_layer, prepare_unit, round_layer
+from .records import RecordKeeper
 from .selection import select_units
+from .settings import AttackSettings, ExecutionSettings, SamplingSettings, SecAggSettings
 from .signature import UpdateSignature, magnitude_concentration, update_signature
 from .spectrum_check import SpectrumRuling, ruled_out_by_spectrum, spectrum_guided
 from .spill import SPILL_FOLDER, QueueSpill
-from .units import (
-    Prepared,
-    attack_summary,
-    member_quality,
-    to_numpy,
-    total_examples,
-    unit_details,
-    unit_name,
-)
+from .thread_runners import RunnerPerThread
+from .units import Prepared, attack_summary, total_examples, unit_name
 from .verdict import Verdict, decide_verdict
-from .workers import WORKER_PRIORITIES, AttackResult, AttackRunner, make_runner
+from .workers import AttackResult, AttackRunner
 
 if TYPE_CHECKING:
-    from fl_attack.evaluation.scoring import ReconstructionScorer, Scored
+    import numpy as np
+
+    from fl_attack.evaluation.scoring import ReconstructionScorer
 
 logger = logging.getLogger(__name__)
 
@@ -65,57 +56,27 @@ class Auditor:
     Parameters
     ----------
     attacker : LayerAttack
-        The gradient-inversion attack run on each update (e.g. ``fl_attack.SpearPlusPlus``).
+        The gradient-inversion attack run on each update (e.g. ``fl_attack.SpearPlusPlus``):
+        ``attack(update, batch_size=..., budget=...)`` (:class:`fl_attack.types.LayerAttack`).
     store : ReconstructionStore or None (default: None)
         Where reconstructions, verdicts and quality are written; None keeps them in
         :attr:`records` only. With a store, records keep no arrays (bounded memory).
     scorer : ReconstructionScorer or None (default: None)
         Renders reconstructions and scores them when clients sent ground truth.
-    weight_key, bias_key : str or None (default: None)
-        The attacked layer; None picks the first 2-D weight followed by its bias.
-    attack_fraction : float (default: 1.0)
-        Fraction of the eligible updates attacked each round, drawn at random.
-    attack_partitions : Collection[int] or None (default: None)
-        Attack only clients reporting one of these partition ids; None attacks all.
-    batch_size : int or None (default: None)
-        Batch size per client told to the attacker; None lets it estimate.
-    time_budget : float or None (default: None)
-        Seconds each attack may spend.
-    timeout : float or None (default: None)
-        Hard limit per attack, after which it is stopped and recorded as a timeout.
-    isolation : str (default: "thread")
-        ``"thread"`` or ``"process"`` (a worker process killed on timeout).
-    priority : str (default: "idle")
-        CPU priority of local worker processes: ``"idle"`` (only CPU time the federation
-        leaves) or ``"low"`` (nice 19); see :data:`fl_attack.audit.workers.WORKER_PRIORITIES`.
+    attack : AttackSettings or None (default: None, the defaults of :class:`AttackSettings`)
+        The attacked layer, the batch size, time budget and timeout each attack gets, and the
+        approximate fallback attack (:mod:`fl_attack.audit.fallback`).
+    execution : ExecutionSettings or None (default: None, the defaults of :class:`ExecutionSettings`)
+        Where attacks run (a thread, a worker process or Ray) and how many at once, off the
+        round's critical path; with workers, call :meth:`drain` or :meth:`close` before
+        reading the results.
+    sampling : SamplingSettings or None (default: None, the defaults of :class:`SamplingSettings`)
+        Which updates of a round are attacked (a random fraction, chosen partitions).
+    secagg : SecAggSettings or None (default: None, the defaults of :class:`SecAggSettings`)
+        Simulated secure aggregation: groups of clients whose sum is attacked as one batch.
     seed : int (default: 0)
-        Seeds the draw of attacked updates when ``attack_fraction < 1``.
-    secagg_group_size : int (default: 1)
-        Simulated secure aggregation: the server only sees the sum of each group of this
-        many clients (in partition order); each sum is attacked as one batch.
-    secagg_quantization : SecAggPlusQuantization or None (default: None)
-        With groups, Flower's SecAgg+ sum (clip, quantize, modular sum, dequantize;
-        :func:`fl_attack.simulate.secagg.secagg_observed_sum`) instead of a float sum.
-    workers : int (default: 0)
-        Attacks that run at once off the round's critical path (:class:`AttackPool`); 0 runs
-        each attack inside :meth:`audit_round`. With workers, call :meth:`drain` or
-        :meth:`close` before reading the results.
-    queue_size : int or None (default: None)
-        Attacks that may wait for a worker; None: unbounded.
-    queue_policy : str (default: "block")
-        ``"block"``, ``"drop-oldest"`` or ``"sample"`` when the queue is full; a dropped attack
-        is recorded with status and verdict ``dropped``.
-    backend : str (default: "local")
-        ``"local"`` (a worker process or thread per pool worker) or ``"ray"`` (each attack a
-        Ray task with ``attack_cpus`` / ``attack_gpus``, on the running Ray or ``ray_address``).
-    ray_address : str or None (default: None)
-        Ray cluster to connect to when Ray is not initialised yet (None: a local Ray).
-    attack_cpus, attack_gpus : float (default: 1.0, 0.0)
-        Ray resources of one attack.
-    progress : bool (default: False)
-        Show the queue's progress on stderr.
-    fallback : str or LayerAttack or None (default: None)
-        Approximate second attack on updates not recovered exactly (:mod:`fl_attack.audit.fallback`).
+        Seeds the draw of attacked updates when ``sampling.attack_fraction < 1``, the queue's
+        ``"sample"`` policy, SecAgg+'s stochastic rounding and a fallback built by name.
     """
 
     def __init__(
@@ -124,96 +85,79 @@ class Auditor:
         *,
         store: ReconstructionStore | None = None,
         scorer: ReconstructionScorer | None = None,
-        weight_key: str | None = None,
-        bias_key: str | None = None,
-        attack_fraction: float = 1.0,
-        attack_partitions: Collection[int] | None = None,
-        batch_size: int | None = None,
-        time_budget: float | None = None,
-        timeout: float | None = None,
-        isolation: str = "thread",
-        priority: str = "idle",
+        attack: AttackSettings | None = None,
+        execution: ExecutionSettings | None = None,
+        sampling: SamplingSettings | None = None,
+        secagg: SecAggSettings | None = None,
         seed: int = 0,
-        secagg_group_size: int = 1,
-        secagg_quantization: SecAggPlusQuantization | None = None,
-        workers: int = 0,
-        queue_size: int | None = None,
-        queue_policy: str = "block",
-        backend: str = "local",
-        ray_address: str | None = None,
-        attack_cpus: float = 1.0,
-        attack_gpus: float = 0.0,
-        progress: bool = False,
-        fallback: str | LayerAttack | None = None,
     ) -> None:
-        if not 0.0 <= attack_fraction <= 1.0:
-            raise ValueError(f"attack_fraction must be in [0, 1], got {attack_fraction}")
-        if (
-            isinstance(secagg_group_size, bool)
-            or not isinstance(secagg_group_size, int)
-            or secagg_group_size < 1
-        ):
-            raise ValueError(f"secagg_group_size must be a positive integer, got {secagg_group_size!r}")
-        check_batch_size(batch_size)
-        check_time_budget(time_budget)
-        check_time_budget(timeout, name="timeout")
-        if priority not in WORKER_PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
-        if backend not in ("local", "ray"):
-            raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
         self.attacker = attacker
+        attack = AttackSettings() if attack is None else attack
+        execution = ExecutionSettings() if execution is None else execution
+        self.attack, self.execution = attack, execution
+        self.sampling = SamplingSettings() if sampling is None else sampling
+        self.secagg = SecAggSettings() if secagg is None else secagg
+        self.seed = seed
+        #: Describes, scores, stores and remembers every record, the fallback's too.
+        self.keeper = RecordKeeper(store=store, scorer=scorer)
         #: SPEAR-family attackers: an update whose spectrum rules them out is not attacked.
         self._spectrum_guided = spectrum_guided(attacker)
-        self.fallback = build_fallback(fallback, seed=seed, time_budget=time_budget)
-        self.isolation, self.priority = isolation, priority
-        self.backend = backend
-        self.ray_address = ray_address
-        self.attack_cpus = attack_cpus
-        self.attack_gpus = attack_gpus
-        self.runner = self._make_runner()
-        self._runners: list[AttackRunner] = [self.runner]
-        self._thread_runner = threading.local()
-        self._store_lock = threading.Lock()
+        self.fallback = build_fallback(attack, seed=seed, execution=execution, keeper=self.keeper)
+        self.runner = execution.make_runner(attacker)
+        self._pool_runners = RunnerPerThread(functools.partial(execution.make_runner, attacker))
         self.pool = (
             AttackPool(
-                workers=workers, queue_size=queue_size, policy=queue_policy, progress=progress, seed=seed
+                workers=execution.workers,
+                queue_size=execution.queue_size,
+                policy=execution.queue_policy,
+                progress=execution.progress,
+                seed=seed,
             )
-            if workers > 0
+            if execution.workers > 0
             else None
         )
-        self.store = store
         self._spill = (
             None if store is None or self.pool is None else QueueSpill(store.directory / SPILL_FOLDER)
         )
-        self.scorer = scorer
-        self.weight_key = weight_key or None
-        self.bias_key = bias_key or None
-        self.attack_fraction = attack_fraction
-        self.attack_partitions = None if attack_partitions is None else frozenset(attack_partitions)
-        self.batch_size = batch_size
-        self.time_budget = time_budget
-        self.timeout = timeout
-        self.seed = seed
-        self.secagg_group_size = secagg_group_size
-        self.secagg_quantization = secagg_quantization if secagg_group_size > 1 else None
-        self.layer: LayerKeys | None = None
-        self.records: list[AttackRecord] = []
-        #: Why results could not be stored (a full disk, ...): the run must not end as a success.
-        self.store_failures: list[str] = []
         self._global_layer: dict[int, GlobalLayer] = {}
+
+    @property
+    def store(self) -> ReconstructionStore | None:
+        """Where records are written (None: :attr:`records` only)."""
+        return self.keeper.store
+
+    @property
+    def scorer(self) -> ReconstructionScorer | None:
+        """Renders and scores reconstructions (None: not scored)."""
+        return self.keeper.scorer
+
+    @property
+    def layer(self) -> LayerKeys | None:
+        """The attacked layer, once :meth:`select_layer` has chosen it."""
+        return self.keeper.layer
+
+    @property
+    def records(self) -> list[AttackRecord]:
+        """Every record so far (without arrays when a store keeps them)."""
+        return self.keeper.records
+
+    @property
+    def store_failures(self) -> list[str]:
+        """Why results could not be stored (a full disk, ...): the run must not end as a success."""
+        return self.keeper.store_failures
 
     # ---------------------------------------------------------------- round API
 
     def select_layer(self, global_arrays: NamedArrays) -> LayerKeys:
         """Fix the attacked layer from the model's arrays (once); raises LayerNotFoundError."""
-        if self.layer is None:
-            self.layer = select_layer(global_arrays, weight_key=self.weight_key, bias_key=self.bias_key)
-            logger.info(
-                "Auditing layer %s / %s (%s)", self.layer.weight, self.layer.bias, self.layer.input_space
+        layer = self.keeper.layer
+        if layer is None:
+            layer = select_layer(
+                global_arrays, weight_key=self.attack.weight_key, bias_key=self.attack.bias_key
             )
-        return self.layer
+            self.keeper.layer = layer
+            logger.info("Auditing layer %s / %s (%s)", layer.weight, layer.bias, layer.input_space)
+        return layer
 
     def start_round(self, server_round: int, global_arrays: NamedArrays) -> None:
         """Remember the global layer (and the layer that directly follows it) sent in ``server_round``."""
@@ -241,12 +185,12 @@ class Auditor:
                     server_round, members, f"audit failed: {type(error).__name__}: {error}", None
                 )
             if isinstance(prepared, AttackRecord):
-                produced.append(self._keep(prepared))
+                produced.append(self.keeper.keep(prepared))
             elif self.pool is None:
                 prepared = prepared.materialized()
-                record = self.fallback.annotate(self, prepared, self._run_job(prepared, time.time()))
-                produced.append(self._keep(record))
-                produced.extend(self.fallback.run(self, prepared, produced[-1]))
+                record = self.fallback.annotate(prepared, self._run_job(prepared, time.time()))
+                produced.append(self.keeper.keep(record))
+                produced.extend(self.fallback.run(prepared, produced[-1]))
             else:
                 self.pool.submit(
                     unit_name(members),
@@ -262,36 +206,18 @@ class Auditor:
         produced = []
         for node_id, why in failures:
             member = ClientUpdate(identity=ClientIdentity(node_id=node_id), arrays=None, error=why)
-            produced.append(self._keep(self._failed(server_round, [member], f"no update: {why}", None)))
+            produced.append(self.keeper.keep(self._failed(server_round, [member], f"no update: {why}", None)))
         return produced
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued attack has finished (a no-op without workers)."""
         return True if self.pool is None else self.pool.drain(timeout)
 
-    def _make_runner(self) -> AttackRunner:
-        if self.backend == "ray":
-            from .ray_runner import RayAttackRunner
-
-            return RayAttackRunner(
-                self.attacker, address=self.ray_address, num_cpus=self.attack_cpus, num_gpus=self.attack_gpus
-            )
-        return make_runner(self.attacker, self.isolation, priority=self.priority)
-
-    def _pool_runner(self) -> AttackRunner:
-        runner = getattr(self._thread_runner, "value", None)
-        if runner is None:
-            runner = self._make_runner()
-            self._thread_runner.value = runner
-            with self._store_lock:
-                self._runners.append(runner)
-        return runner
-
     def _pool_job(self, prepared: Prepared, queued_at: float) -> None:
         try:
             # the float64 update exists only while its attack (and the fallback) runs
             prepared = prepared.materialized()
-            record = self._run_job(prepared, queued_at, runner=self._pool_runner())
+            record = self._run_job(prepared, queued_at, runner=self._pool_runners.get())
         except Exception as error:  # never lose an attack to a bug: record it
             record = self._failed(
                 prepared.server_round,
@@ -299,7 +225,7 @@ class Auditor:
                 f"audit failed: {type(error).__name__}: {error}",
                 None,
             )
-        self.fallback.run(self, prepared, self._keep(self.fallback.annotate(self, prepared, record)))
+        self.fallback.run(prepared, self.keeper.keep(self.fallback.annotate(prepared, record)))
         del prepared, record
         # queued updates are freed in the order attacks finish: give their pages back
         release_freed_memory()
@@ -307,14 +233,14 @@ class Auditor:
     def _dropped_job(self, prepared: Prepared, queued_at: float) -> None:
         assert self.layer is not None
         prepared.discard()
-        self._keep(
+        self.keeper.keep(
             AttackRecord(
                 server_round=prepared.server_round,
                 client=unit_name(prepared.members),
                 status=STATUS_DROPPED,
                 seconds=0.0,
                 error=f"the attack queue was full (policy {self.pool.policy if self.pool else '?'})",
-                details=self._details(prepared.members),
+                details=self.keeper.details(prepared.members),
                 verdict=VERDICT_DROPPED,
                 verdict_reason="the attack queue was full and its policy dropped this update",
                 input_space=self.layer.input_space,
@@ -327,9 +253,9 @@ class Auditor:
         return select_units(
             updates,
             server_round=server_round,
-            partitions=self.attack_partitions,
-            group_size=self.secagg_group_size,
-            fraction=self.attack_fraction,
+            partitions=self.sampling.attack_partitions,
+            group_size=self.secagg.group_size,
+            fraction=self.sampling.attack_fraction,
             seed=self.seed,
         )
 
@@ -339,8 +265,9 @@ class Auditor:
             self.pool.close()
         if self._spill is not None:
             self._spill.close()
-        for runner in self._runners:
-            runner.close()
+        self.runner.close()
+        self._pool_runners.close()
+        self.fallback.close()
 
     # ------------------------------------------------------------------ one unit
 
@@ -359,7 +286,7 @@ class Auditor:
             members,
             global_layer,
             layer=self.layer,
-            quantization=self.secagg_quantization,
+            quantization=self.secagg.quantization,
             seed=self.seed,
             global_finite=global_finite,
         )
@@ -371,7 +298,7 @@ class Auditor:
         """Attack one prepared unit, judge and score it (in a pool thread when there is a pool)."""
         assert self.layer is not None
         server_round, members, delta = prepared.server_round, prepared.members, prepared.delta
-        batch_size = None if self.batch_size is None else self.batch_size * len(members)
+        batch_size = None if self.attack.batch_size is None else self.attack.batch_size * len(members)
         started_at = time.time()
         signature: Callable[[], UpdateSignature] = functools.cache(
             functools.partial(update_signature, delta.weight_update)
@@ -382,7 +309,7 @@ class Auditor:
             verdict = Verdict(VERDICT_NOT_APPLICABLE, ruled_out.reason)
         else:
             result = (runner or self.runner).run(
-                delta, batch_size=batch_size, time_budget=self.time_budget, timeout=self.timeout
+                delta, batch_size=batch_size, time_budget=self.attack.time_budget, timeout=self.attack.timeout
             )
         finished_at = time.time()
         summary = {"attack": getattr(self.attacker, "name", None), **attack_summary(result)}
@@ -399,7 +326,7 @@ class Auditor:
         logger.log(
             level, "Attack on %s in round %s: %s (%s)", name, server_round, verdict.verdict, verdict.reason
         )
-        details = self._details(members)
+        details = self.keeper.details(members)
         if result.traceback:
             details["traceback"] = result.traceback
         record_fields: dict[str, Any] = {
@@ -417,30 +344,7 @@ class Auditor:
             "started_at": started_at,
             "finished_at": finished_at,
         }
-        return self._finished_record(record_fields, result, members, details)
-
-    def _finished_record(
-        self,
-        fields: dict[str, Any],
-        result: AttackResult,
-        members: list[ClientUpdate],
-        details: dict[str, Any],
-    ) -> AttackRecord:
-        """The record of a finished attack, scored against the members' ground truth when it returned inputs."""
-        if result.status != STATUS_OK:
-            return AttackRecord(**fields)
-        inputs = np.asarray(to_numpy(result.reconstruction.inputs), dtype=np.float64)
-        scored, scoring_error = self._score(inputs, members, details)
-        if scoring_error is not None:
-            fields["error"] = scoring_error
-        return AttackRecord(
-            **fields,
-            inputs=inputs,
-            reconstructed_images=None if scored is None else scored.reconstructed_images,
-            reference_images=None if scored is None else scored.reference_images,
-            quality={} if scored is None else scored.quality,
-            psnr=None if scored is None else scored.psnr,
-        )
+        return self.keeper.finished_record(record_fields, result, members, details)
 
     def _ruled_out(
         self,
@@ -479,32 +383,9 @@ class Auditor:
             magnitude_concentration=magnitude_concentration(delta.weight_update),
             input_space=self.layer.input_space if self.layer else None,
             train_mode=modes.pop() if len(modes) == 1 else None,
-            time_budget=self.time_budget,
+            time_budget=self.attack.time_budget,
             num_examples=total_examples(members),
         )
-
-    def _score(
-        self, inputs: np.ndarray, members: list[ClientUpdate], details: dict[str, Any]
-    ) -> tuple[Scored | None, str | None]:
-        """Render and, with every member's ground truth, score; a failure is returned, not raised."""
-        if self.scorer is None:
-            return None, None
-        try:
-            truths = [member.ground_truth for member in members]
-            if any(truth is None for truth in truths):
-                return self.scorer.render(inputs), None
-            references = [self.scorer.references(truth) for truth in truths if truth is not None]
-            scored = self.scorer.score_against(inputs, np.concatenate(references))
-            if len(members) > 1:
-                details["members"] = member_quality(members, [len(r) for r in references], scored)
-            return scored, None
-        except Exception as failure:  # scoring is the experimenter's side: never stop the run
-            error = f"scoring failed: {type(failure).__name__}: {failure}"
-            logger.warning("%s", error)
-            return None, error
-
-    def _details(self, members: list[ClientUpdate]) -> dict[str, Any]:
-        return unit_details(members, self.layer)
 
     def _failed(
         self, server_round: int, members: list[ClientUpdate], error: str, verdict: Verdict | None
@@ -517,28 +398,8 @@ class Auditor:
             status=STATUS_ERROR,
             seconds=0.0,
             error=error,
-            details=self._details(members),
+            details=self.keeper.details(members),
             verdict=decided.verdict,
             verdict_reason=decided.reason,
-            input_space=None if self.layer is None else self.layer.input_space,
+            input_space=self.keeper.input_space,
         )
-
-    def _keep(self, record: AttackRecord) -> AttackRecord:
-        """Write a record to the store and remember it, without its arrays once stored.
-
-        A store that fails (a full disk) is logged and remembered in :attr:`store_failures`;
-        training goes on, but the run must report the loss (the ServerApp raises at its end).
-        """
-        with self._store_lock:
-            if self.store is not None:
-                try:
-                    self.store.save(record)
-                    record = dataclasses.replace(
-                        record, inputs=None, reconstructed_images=None, reference_images=None
-                    )
-                except Exception as error:  # the FL run goes on; the failure is loud
-                    message = f"round {record.server_round} {record.client}: {type(error).__name__}: {error}"
-                    self.store_failures.append(message)
-                    logger.error("Could not store the attack on %s", message)
-            self.records.append(record)
-        return record

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -37,11 +36,11 @@ from fl_attack.vocabulary import (
     VERDICT_TIMEOUT,
 )
 
+from .records import RecordKeeper
+from .settings import AttackSettings, ExecutionSettings
+from .thread_runners import RunnerPerThread
 from .units import Prepared, attack_summary, total_examples, unit_name
-from .workers import AttackResult, AttackRunner, make_runner
-
-if TYPE_CHECKING:
-    from .auditor import Auditor
+from .workers import AttackResult, AttackRunner
 
 logger = logging.getLogger(__name__)
 
@@ -53,35 +52,40 @@ FALLBACK_AFTER = (VERDICT_APPROXIMATE, VERDICT_FAILED, VERDICT_TIMEOUT, VERDICT_
 
 
 def build_fallback(
-    fallback: str | LayerAttack | None, *, seed: int = 0, time_budget: float | None = None
+    settings: AttackSettings, *, seed: int, execution: ExecutionSettings, keeper: RecordKeeper
 ) -> AttackFallback:
-    """The fallback named ``fallback`` (a registered attack), an attacker object, or none (disabled).
+    """The fallback ``settings.fallback`` names (a registered attack), an attacker object, or none.
 
     Parameters
     ----------
-    fallback : str or LayerAttack or None
-        ``"cocktail-party"``, another registered attack's name, an attack object,
-        or ``None`` / ``""`` / ``"none"`` for no fallback.
-    seed : int (default: 0)
+    settings : AttackSettings
+        Its ``fallback`` (``"cocktail-party"``, another registered attack's name, an attack
+        object (:class:`fl_attack.types.LayerAttack`), or ``None`` / ``""`` / ``"none"`` for no
+        fallback), and what every attack is told and allowed.
+    seed : int
         Seeds a fallback built by name.
-    time_budget : float or None (default: None)
-        Its default time budget (the auditor passes its own with every attack).
+    execution : ExecutionSettings
+        Where the fallback's attacks run.
+    keeper : RecordKeeper
+        Describes, scores and keeps the fallback's records, as it does the exact attack's.
 
     Raises
     ------
     ValueError
         On a name that is not a registered attack (the message lists them).
     """
+    fallback = settings.fallback
+    attacker: LayerAttack | None
     if fallback is None or (isinstance(fallback, str) and fallback.strip().lower() in NO_FALLBACK):
-        return AttackFallback(None, name="")
-    if isinstance(fallback, str):
+        attacker, name = None, ""
+    elif isinstance(fallback, str):
         from fl_attack.attacks import get_attack  # the registry imports every attack: only when needed
 
         name = fallback.strip()
-        return AttackFallback(get_attack(name, seed=seed, time_budget=time_budget), name=name)
-    if not isinstance(fallback, LayerAttack):
-        raise ValueError(f"fallback must be an attack name, a LayerAttack or None, got {fallback!r}")
-    return AttackFallback(fallback, name=str(getattr(fallback, "name", type(fallback).__name__)))
+        attacker = get_attack(name, seed=seed, time_budget=settings.time_budget)
+    else:
+        attacker, name = fallback, str(getattr(fallback, "name", type(fallback).__name__))
+    return AttackFallback(attacker, name=name, settings=settings, execution=execution, keeper=keeper)
 
 
 class AttackFallback:
@@ -93,12 +97,29 @@ class AttackFallback:
         The fallback attack; None disables the fallback (:meth:`run` does nothing).
     name : str
         Its name, written to the record's ``attack`` summary.
+    settings : AttackSettings
+        The batch size, time budget and timeout every attack gets.
+    execution : ExecutionSettings
+        Where its attacks run.
+    keeper : RecordKeeper
+        Describes, scores and keeps its records.
     """
 
-    def __init__(self, attacker: LayerAttack | None, *, name: str) -> None:
+    def __init__(
+        self,
+        attacker: LayerAttack | None,
+        *,
+        name: str,
+        settings: AttackSettings,
+        execution: ExecutionSettings,
+        keeper: RecordKeeper,
+    ) -> None:
         self.attacker = attacker
         self.name = name
-        self._runners = threading.local()
+        self.settings = settings
+        self.execution = execution
+        self.keeper = keeper
+        self._runners = RunnerPerThread(self._make_runner)
 
     def skip_reason(self, prepared: Prepared, primary: AttackRecord) -> str | None:
         """Why the fallback does not run on this unit, or None when it does."""
@@ -118,7 +139,7 @@ class AttackFallback:
             return "the update of the attacked layer is zero"
         return None
 
-    def applicability(self, auditor: Auditor, prepared: Prepared, primary: AttackRecord) -> str | None:
+    def applicability(self, prepared: Prepared, primary: AttackRecord) -> str | None:
         """Why the fallback cannot say anything about this unit (it is not run), or None when it can.
 
         Beyond :meth:`skip_reason`: ICA separates at most ``min(m, n)`` sources of an ``(m, n)``
@@ -128,7 +149,7 @@ class AttackFallback:
         if reason is not None:
             return reason
         m, n = prepared.delta.weight_update.shape
-        sources = self.batch_size(auditor, prepared, primary)
+        sources = self.batch_size(prepared, primary)
         if sources is not None and sources > min(m, n):
             return (
                 f"{sources} samples cannot be unmixed from a {m} x {n} layer update (at most min(m, n) = "
@@ -136,7 +157,7 @@ class AttackFallback:
             )
         return None
 
-    def annotate(self, auditor: Auditor, prepared: Prepared, primary: AttackRecord) -> AttackRecord:
+    def annotate(self, prepared: Prepared, primary: AttackRecord) -> AttackRecord:
         """``primary`` with ``details["fallback_skipped"]`` saying why the fallback does not run, when
         it would have run after this verdict but cannot say anything here (:meth:`applicability`)."""
         if self.attacker is None or primary.verdict not in FALLBACK_AFTER:
@@ -144,7 +165,7 @@ class AttackFallback:
         if primary.attack.get("attack") == self.name:
             return primary
         try:
-            reason = self.applicability(auditor, prepared, primary)
+            reason = self.applicability(prepared, primary)
         except Exception as error:  # an unreadable unit: the fallback's own run records it
             logger.debug("fallback applicability of %s: %r", unit_name(prepared.members), error)
             return primary
@@ -154,20 +175,20 @@ class AttackFallback:
             primary, details={**primary.details, "fallback_skipped": f"{self.name}: {reason}"}
         )
 
-    def batch_size(self, auditor: Auditor, prepared: Prepared, primary: AttackRecord) -> int | None:
+    def batch_size(self, prepared: Prepared, primary: AttackRecord) -> int | None:
         """Sources to unmix: the configured batch size, the exact attack's estimate, the clients' count.
 
         None leaves the fallback to estimate it from the update's spectrum.
         """
-        if auditor.batch_size is not None:
-            return auditor.batch_size * len(prepared.members)
+        if self.settings.batch_size is not None:
+            return self.settings.batch_size * len(prepared.members)
         estimate = primary.attack.get("batch_size")
         if isinstance(estimate, int) and not isinstance(estimate, bool) and estimate > 0:
             return estimate
         return total_examples(prepared.members) or None
 
-    def run(self, auditor: Auditor, prepared: Prepared, primary: AttackRecord) -> list[AttackRecord]:
-        """Attack ``prepared`` again after ``primary`` and keep the record with the auditor's store.
+    def run(self, prepared: Prepared, primary: AttackRecord) -> list[AttackRecord]:
+        """Attack ``prepared`` again after ``primary`` and hand the record to the record keeper.
 
         Returns
         -------
@@ -179,16 +200,16 @@ class AttackFallback:
             return []
         queued_at = started_at = time.time()
         try:
-            batch_size = self.batch_size(auditor, prepared, primary)
-            runner = self._runner(auditor)
+            batch_size = self.batch_size(prepared, primary)
+            runner = self._runners.get()
             started_at = time.time()
             result = runner.run(
                 prepared.delta,
                 batch_size=batch_size,
-                time_budget=auditor.time_budget,
-                timeout=auditor.timeout,
+                time_budget=self.settings.time_budget,
+                timeout=self.settings.timeout,
             )
-            record = self._record(auditor, prepared, primary, result, (queued_at, started_at, time.time()))
+            record = self._record(prepared, primary, result, (queued_at, started_at, time.time()))
         except Exception as error:  # the fallback never stops the audit: its failure is recorded
             failure = AttackResult(
                 status=STATUS_ERROR,
@@ -197,47 +218,31 @@ class AttackFallback:
                 error=f"{type(error).__name__}: {error}",
             )
             try:
-                record = self._record(
-                    auditor, prepared, primary, failure, (queued_at, started_at, time.time())
-                )
-            except Exception as unrecordable:  # e.g. a member the auditor cannot describe: log, never raise
+                record = self._record(prepared, primary, failure, (queued_at, started_at, time.time()))
+            except Exception as unrecordable:  # e.g. a member the keeper cannot describe: log, never raise
                 logger.error(
                     "the %s fallback on %s failed: %r", self.name, unit_name(prepared.members), unrecordable
                 )
                 return []
-        return [auditor._keep(record)]
+        return [self.keeper.keep(record)]
 
-    def _runner(self, auditor: Auditor) -> AttackRunner:
-        """This thread's runner (each pool thread has its own), registered for the auditor's close()."""
-        runner: AttackRunner | None = getattr(self._runners, "value", None)
-        if runner is None:
-            assert self.attacker is not None
-            if auditor.backend == "ray":
-                from .ray_runner import RayAttackRunner
+    def close(self) -> None:
+        """Stop the fallback's runners (each pool thread's)."""
+        self._runners.close()
 
-                runner = RayAttackRunner(
-                    self.attacker,
-                    address=auditor.ray_address,
-                    num_cpus=auditor.attack_cpus,
-                    num_gpus=auditor.attack_gpus,
-                )
-            else:
-                runner = make_runner(self.attacker, auditor.isolation, priority=auditor.priority)
-            self._runners.value = runner
-            with auditor._store_lock:
-                auditor._runners.append(runner)
-        return runner
+    def _make_runner(self) -> AttackRunner:
+        assert self.attacker is not None  # run() makes none for a disabled fallback
+        return self.execution.make_runner(self.attacker)
 
     def _record(
         self,
-        auditor: Auditor,
         prepared: Prepared,
         primary: AttackRecord,
         result: AttackResult,
         times: tuple[float, float, float],
     ) -> AttackRecord:
         summary = {**attack_summary(result), "attack": self.name}
-        details = auditor._details(prepared.members)
+        details = self.keeper.details(prepared.members)
         details["fallback_after"] = {"attack": primary.attack.get("attack"), "verdict": primary.verdict}
         if result.traceback:
             details["traceback"] = result.traceback
@@ -252,12 +257,12 @@ class AttackFallback:
             "details": details,
             "verdict": verdict,
             "verdict_reason": reason,
-            "input_space": None if auditor.layer is None else auditor.layer.input_space,
+            "input_space": self.keeper.input_space,
             "queued_at": times[0],
             "started_at": times[1],
             "finished_at": times[2],
         }
-        return auditor._finished_record(fields, result, prepared.members, details)
+        return self.keeper.finished_record(fields, result, prepared.members, details)
 
 
 def fallback_verdict(

@@ -3,9 +3,10 @@
 For a layer whose inputs are ReLU features (layers precede it) and that is directly followed
 by another linear layer, one client's update carries that layer's change too
 (:attr:`fl_attack.types.LayerUpdate.next_weight_update`). The exact attack then gets
-:func:`exact_attack_budget` of the time budget; when it did not recover the batch whole,
-:func:`with_next_layer` runs :func:`fl_attack.attacks.next_layer_merge.complete_with_next_layer`
-on it, in the same worker, for the seconds left of the budget, so that both end by the budget.
+:meth:`fl_attack.pipeline.budget.budget.Budget.exact_attack_share` of the attack's one budget;
+when it did not recover the batch whole, :func:`with_next_layer` runs
+:func:`fl_attack.attacks.next_layer_merge.complete_with_next_layer` on it, in the same worker,
+for what is left of that budget, so that both end by the budget.
 Its rows are merged (those its own check confirmed are claimed, the others only kept) and
 counted in the reconstruction's statistics (``next_layer_checked``, ``next_layer_unchecked``,
 ...), which the verdict reads.
@@ -19,25 +20,19 @@ from typing import Any
 
 import numpy as np
 
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import LayerUpdate
 
 logger = logging.getLogger(__name__)
 
 
-def exact_attack_budget(time_budget: float | None) -> float | None:
-    """The exact attack's share of ``time_budget`` on an update the route may follow."""
-    from fl_attack.attacks.next_layer_merge import exact_attack_budget as share
-
-    return share(time_budget)
-
-
 def with_next_layer(
-    reconstruction: Any, update: LayerUpdate[np.ndarray], *, time_budget: float | None, seed: int | None
+    reconstruction: Any, update: LayerUpdate[np.ndarray], *, budget: Budget | None, seed: int | None
 ) -> Any:
     """``reconstruction`` completed by the next-layer route where it applies, else unchanged.
 
-    ``time_budget`` is the seconds left of the attack's budget (None: no budget).
+    ``budget`` is the attack's time budget (None: no budget); the route gets what is left of it.
 
     It applies to a :class:`fl_attack.Reconstruction` with a self-check (an exact attack's)
     that is not complete, on an update of a layer after other layers with a finite next-layer
@@ -59,7 +54,7 @@ def with_next_layer(
 
     try:
         return complete_with_next_layer(
-            reconstruction, update, time_budget=time_budget, seed=0 if seed is None else seed
+            reconstruction, update, budget=budget, seed=0 if seed is None else seed
         )
     except (ValueError, ArithmeticError, np.linalg.LinAlgError, RuntimeError) as error:
         # the route is an extra: its failure never costs the exact attack's result

@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 #: The private folder of the run directory that holds waiting updates (removed on close).
 SPILL_FOLDER = ".attack-queue"
 
-#: Waiting updates may take this much memory before new ones go to files (256 MiB: about 100
-#: updates at m = 200 on CIFAR-10).
-SPILL_AFTER_BYTES = 256 * 1024 * 1024
+#: Waiting updates may take this much memory before new ones go to files (64 MiB: about 25
+#: updates at m = 200 on CIFAR-10; the audit's whole share of a run's memory is meant to stay
+#: under 300 MiB, :mod:`experiments.audit_overhead`).
+SPILL_AFTER_BYTES = 64 * 1024 * 1024
 
 
 class QueueSpill:

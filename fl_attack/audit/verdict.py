@@ -228,14 +228,15 @@ def decide_verdict(
             VERDICT_FAILED, f"no sample recovered of an estimated batch of {b}" + _search_stop(attack)
         )
     if status == STATUS_TIMEOUT:
-        return Verdict(VERDICT_TIMEOUT, error or "the attack did not finish within its hard limit")
+        stopped = error or "the attack did not finish within its hard limit"
+        return Verdict(VERDICT_TIMEOUT, stopped + _kept_note(attack))
     reason = _not_applicable(signature, train_mode, num_examples)
     if reason is not None:
         return Verdict(VERDICT_NOT_APPLICABLE, reason)
     if status == STATUS_OUT_OF_MEMORY:
         return Verdict(VERDICT_FAILED, f"the attack ran out of memory: {error}")
     if status == STATUS_KILLED:
-        return Verdict(VERDICT_FAILED, f"the attack's worker was killed: {error}")
+        return Verdict(VERDICT_FAILED, f"the attack's worker was killed: {error}{_kept_note(attack)}")
     return Verdict(VERDICT_FAILED, f"the attack failed: {error}")
 
 
@@ -276,6 +277,20 @@ def _next_layer_reason(attack: Mapping[str, Any], b: int) -> str:
         f"layer's update, each checked by its own zero pattern without ground truth); {unchecked} more found "
         f"by it without that confirmation (not claimed), {missing} not found by it"
     )
+
+
+def _kept_note(attack: Mapping[str, Any]) -> str:
+    """What an attack stopped at its hard limit (or killed) had handed back (:mod:`fl_attack.progress`)."""
+    if not attack.get("partial"):
+        return "; it had handed back no partial result, so nothing it found is kept"
+    b = int(attack.get("batch_size", 0) or 0)
+    found = int(attack.get("directions_found", 0) or 0)
+    if b <= 0:
+        why = attack.get("stop_reason")
+        return "; the batch size was not estimated before the limit" + (f" ({why})" if why else "")
+    if found <= 0:
+        return f"; none of the {b} rows was found before the limit"
+    return f"; {found} of {b} rows found so far are kept, not verified as the batch{_certified_note(attack)}"
 
 
 def _certified_note(attack: Mapping[str, Any]) -> str:

@@ -23,8 +23,9 @@ from flwr.serverapp.strategy import FedAvg
 
 from fl_attack import LayerUpdate, Reconstruction, SpearPlusPlus
 from fl_attack.attacks import LayerAttackBase
-from fl_attack.audit import Auditor
+from fl_attack.audit import Auditor, ExecutionSettings
 from fl_attack.audit.protocol import AUDIT_KEY, GROUND_TRUTH_KEY, NUM_EXAMPLES_KEY, PARTITION_ID_KEY
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.results.store import INPUTS_FILE, METRICS_FILE, AttackRecord, ReconstructionStore
 from strategies import HonestButCuriousStrategy
 
@@ -146,7 +147,7 @@ class ScriptedAttacker(LayerAttackBase):
         /,
         *,
         batch_size: int | None = None,
-        time_budget: float | None = None,
+        budget: Budget | None = None,
     ) -> Reconstruction:
         """Behave as :attr:`mode` says."""
         self.received.append(np.array(update.weight_update, copy=True))
@@ -156,7 +157,7 @@ class ScriptedAttacker(LayerAttackBase):
             self.release.wait(self.block_seconds)
             raise RuntimeError("the blocked attack was released")
         if self.mode == "spear++":
-            return self._spear.attack(update, batch_size=batch_size, time_budget=time_budget)
+            return self._spear.attack(update, batch_size=batch_size, budget=budget)
         return Reconstruction(
             inputs=torch.as_tensor(echo(update.weight_update, repeat=self.repeat)),
             batch_size=BATCH,
@@ -332,7 +333,7 @@ def start_run(directory: Path, *, attacker: ScriptedAttacker | None = None, **op
     """Audit a FedAvg run into ``directory`` and train round 1 with two honest clients (stored)."""
     scripted = attacker or ScriptedAttacker()
     store = ReconstructionStore(directory, run_config={"suite": "audit-faults"})
-    auditor = Auditor(scripted, store=store, isolation="thread", **options)
+    auditor = Auditor(scripted, store=store, execution=ExecutionSettings(isolation="thread"), **options)
     run = AuditedRun(HonestButCuriousStrategy(plain_fedavg(), auditor), store, scripted, victim_arrays())
     replies = [
         reply(node, training_content(fedsgd_arrays(run.global_arrays, seed=node)[0], partition_id=partition))

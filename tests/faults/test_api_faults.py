@@ -35,18 +35,18 @@ def _observed_update() -> dict[str, np.ndarray]:
 
 INVALID_CALLS = {
     "time-budget-nan": (
-        {},
         {"time_budget": math.nan},
+        {},
         "time_budget must be a positive, finite number of seconds, got nan",
     ),
     "time-budget-zero": (
-        {},
         {"time_budget": 0},
+        {},
         "time_budget must be a positive, finite number of seconds, got 0",
     ),
     "time-budget-negative": (
-        {},
         {"time_budget": -1},
+        {},
         "time_budget must be a positive, finite number of seconds, got -1",
     ),
     "batch-size-float": (

@@ -9,6 +9,7 @@ unchanged and still load, and that the failure is recorded with its cause.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from fl_attack.audit import AttackSettings
 from fl_attack.audit.protocol import GROUND_TRUTH_INPUTS, GROUND_TRUTH_KEY
 from fl_attack.results.store import INPUTS_FILE
 
@@ -382,7 +384,7 @@ def test_two_clients_claiming_one_partition_are_both_stored(tmp_path: Path) -> N
 
 
 def test_an_attack_past_its_timeout_is_abandoned_and_recorded(tmp_path: Path) -> None:
-    run = start_run(tmp_path / "run", timeout=0.3)
+    run = start_run(tmp_path / "run", attack=AttackSettings(timeout=0.3))
     run.attacker.mode = "block"
     replies = honest_replies(run, {11: 0, 22: 1})
     start = time.perf_counter()
@@ -398,8 +400,15 @@ def test_an_attack_past_its_timeout_is_abandoned_and_recorded(tmp_path: Path) ->
     for client in ("partition-0", "partition-1"):
         (record,) = records[client]
         assert (record.status, record.verdict) == ("timeout", "timeout")
-        assert record.error == "attack did not finish within the 0.3 s timeout (abandoned)"
-        assert record.verdict_reason == record.error
+        # the CPU time the attack's thread got (blocked: next to none), and that nothing was kept
+        assert re.fullmatch(
+            r"attack did not finish within the 0\.3 s timeout \(abandoned; "
+            r"its thread got \d\.\d s of CPU in \d\.\d s of wall time\)",
+            record.error or "",
+        ), record.error
+        assert record.verdict_reason == (
+            f"{record.error}; it had handed back no partial result, so nothing it found is kept"
+        )
     assert [row["status"] for row in run.rows(2)] == ["timeout", "timeout"]
     assert_intact(run.store, run.round_one)
 

@@ -3,8 +3,8 @@
 A :class:`Budget` is made once per attack, when the attack starts (:meth:`Budget.start`). It owns
 every share of the budget that a stage or a caller needs: the decomposition's, the search's (what
 is left once the selection's finishing work is set aside), the pruning grace past the budget, the
-exact attack's share when the next-layer route may follow it, and the hard limit after which an
-audit gives the worker up. Stages receive a :class:`Deadline` (a point in time) from it and ask
+exact attack's share when the next-layer route may follow it, and (:func:`hard_limit`) the hard
+limit after which an audit gives the worker up. Stages receive a :class:`Deadline` (a point in time) from it and ask
 :meth:`Deadline.expired` between bounded chunks of work (:mod:`.deadline`).
 """
 
@@ -14,13 +14,17 @@ import math
 import time
 from dataclasses import dataclass
 
-#: The decomposition must end within this share of the budget, else the attack stops there.
+from fl_attack.validation import check_time_budget
+
+#: The decomposition must end within this share of the budget, else the attack stops there; the
+#: rest is left (as the search leaves it) for the scorer, the final selection and the self-check.
 DECOMPOSITION_SHARE = 0.95
 #: At most this share of the budget is set aside, after the search, for the selection's finish.
 FINISH_FRACTION = 0.05
 #: Seconds past the budget a running selection may spend pruning: at most this many, ...
 PRUNE_GRACE = 30.0
-#: ... and at most this share of the budget.
+#: ... and at most this share of the budget: with the stages' own overrun (one chunk of work
+#: each), the attack returns within 110% of its budget.
 PRUNE_GRACE_FRACTION = 0.05
 #: The next-layer route's share when it may follow the exact attack (the exact attack gets the rest).
 NEXT_LAYER_SHARE = 0.5
@@ -30,14 +34,19 @@ TIMEOUT_FACTOR = 1.5
 TIMEOUT_GRACE = 15.0
 
 
-@dataclass(frozen=True)
+def now() -> float:
+    """The clock every deadline and budget reads (``time.perf_counter()``), read in this one place."""
+    return time.perf_counter()
+
+
+@dataclass(frozen=True, order=True)
 class Deadline:
-    """A ``time.perf_counter()`` value by which a stage must stop (``math.inf``: never).
+    """A point in time (a :func:`now` value) by which a stage must stop; ``math.inf``: never.
 
     Attributes
     ----------
     at : float
-        The ``time.perf_counter()`` value of the deadline.
+        The :func:`now` value of the deadline.
     """
 
     at: float = math.inf
@@ -49,10 +58,10 @@ class Deadline:
 
     @classmethod
     def in_seconds(cls, seconds: float | None) -> Deadline:
-        """The deadline ``seconds`` from now (None: never)."""
-        if seconds is None or not math.isfinite(seconds):
+        """The deadline ``seconds`` from now (None or ``math.inf``: never)."""
+        if seconds is None or seconds == math.inf:
             return cls.never()
-        return cls(time.perf_counter() + seconds)
+        return cls(now() + seconds)
 
     @property
     def bounded(self) -> bool:
@@ -61,15 +70,19 @@ class Deadline:
 
     def expired(self) -> bool:
         """Whether the deadline has passed."""
-        return time.perf_counter() > self.at
+        return now() > self.at
 
     def remaining(self) -> float:
         """Seconds left (negative once passed; ``math.inf`` for a deadline that never passes)."""
-        return self.at - time.perf_counter()
+        return self.at - now()
 
-    def earlier(self, seconds: float) -> Deadline:
-        """This deadline moved ``seconds`` earlier."""
-        return Deadline(self.at - seconds)
+    def fits(self, seconds: float) -> bool:
+        """Whether ``seconds`` of work started now end by the deadline."""
+        return now() + seconds <= self.at
+
+    def within(self, seconds: float) -> Deadline:
+        """The earlier of this deadline and ``seconds`` from now (a stage's own share of the time left)."""
+        return Deadline(min(self.at, now() + seconds))
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class Budget:
     seconds : float or None
         The budget's length; None for an attack without a time limit.
     started : float
-        The ``time.perf_counter()`` value at which the attack started.
+        The :func:`now` value at which the attack started.
     """
 
     seconds: float | None
@@ -94,11 +107,11 @@ class Budget:
         Raises
         ------
         ValueError
-            If ``seconds`` is not positive (None is no limit).
+            Unless ``seconds`` is a positive number of seconds, ``math.inf`` or None (no limit).
         """
-        if seconds is not None and not seconds > 0:
-            raise ValueError(f"time budget must be positive seconds or None, got {seconds!r}")
-        return cls(seconds=seconds, started=time.perf_counter())
+        if seconds is not None and seconds != math.inf:
+            seconds = check_time_budget(seconds)
+        return cls(seconds=seconds, started=now())
 
     @property
     def bounded(self) -> bool:
@@ -107,7 +120,7 @@ class Budget:
 
     def elapsed(self) -> float:
         """Seconds since the attack started."""
-        return time.perf_counter() - self.started
+        return now() - self.started
 
     def _after(self, seconds: float) -> Deadline:
         return Deadline(self.started + seconds) if self.bounded else Deadline.never()

@@ -1,6 +1,6 @@
 """Bounded chunks of batched work, so that every stage can stop at the attack's deadline.
 
-A deadline is a ``time.perf_counter()`` value (``math.inf``: none). Each stage splits its
+A deadline is a :class:`fl_attack.pipeline.budget.budget.Deadline` (``Deadline.never()``: none). Each stage splits its
 batched tensor work into chunks estimated to take :data:`CHUNK_SECONDS` and checks the
 deadline between chunks, so it overruns the deadline by about one chunk at most. A LAPACK
 call that cannot be split (the decomposition's singular values or eigenvectors) is not started
@@ -13,10 +13,11 @@ reconstruction whenever the deadline is not reached.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import torch
+
+from fl_attack.pipeline.budget.budget import Deadline
 
 #: Target duration of one chunk of work between two deadline checks, on a CPU.
 CHUNK_SECONDS = 0.05
@@ -99,7 +100,9 @@ def symmetric_eigen_seconds(size: int) -> float:
     return _LAPACK_SECONDS_PER_FLOP * 9.0 * size**3
 
 
-def require_time(seconds: float, *, deadline: float, what: str, device: torch.device | None = None) -> None:
+def require_time(
+    seconds: float, *, deadline: Deadline, what: str, device: torch.device | None = None
+) -> None:
     """Raise :class:`DeadlineReached` unless ``seconds`` of uninterruptible work fit before ``deadline``.
 
     Parameters
@@ -107,7 +110,7 @@ def require_time(seconds: float, *, deadline: float, what: str, device: torch.de
     seconds
         Estimated cost of the work on a CPU, from the cost model of this module.
     deadline
-        ``time.perf_counter()`` value (``math.inf``: none, never raises).
+        The stage's deadline (``Deadline.never()``: never raises).
     what
         The work, for the message (``"the singular values of a 4000 x 3072 update"``).
     device
@@ -116,14 +119,14 @@ def require_time(seconds: float, *, deadline: float, what: str, device: torch.de
     """
     if device is not None and device.type != "cpu":
         seconds /= ACCELERATOR_CHUNK_FACTOR
-    left = deadline - time.perf_counter()
+    left = deadline.remaining()
     if seconds > left:
         raise DeadlineReached(
             f"{what} would take about {seconds:.3g} s and {max(left, 0.0):.3g} s are left before the deadline"
         )
 
 
-def chunked_product(left: torch.Tensor, right: torch.Tensor, *, deadline: float) -> torch.Tensor:
+def chunked_product(left: torch.Tensor, right: torch.Tensor, *, deadline: Deadline) -> torch.Tensor:
     """``left @ right`` computed in chunks of rows of ``left``, checking the deadline between them.
 
     Each row of the product is computed by the same kernel as in one call, so the result is the
@@ -137,13 +140,13 @@ def chunked_product(left: torch.Tensor, right: torch.Tensor, *, deadline: float)
     size = chunk_rows(matmul_seconds(2.0 * left.shape[1] * right.shape[1]), device=left.device)
     parts = []
     for start in range(0, left.shape[0], size):
-        if expired(deadline):
+        if deadline.expired():
             raise DeadlineReached(f"the deadline passed after {start} of {left.shape[0]} rows of a product")
         parts.append(left[start : start + size] @ right)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def chunked_gram(matrix: torch.Tensor, *, deadline: float) -> torch.Tensor:
+def chunked_gram(matrix: torch.Tensor, *, deadline: Deadline) -> torch.Tensor:
     """``matrix^T matrix`` summed over chunks of rows, checking the deadline between them.
 
     Raises
@@ -155,18 +158,13 @@ def chunked_gram(matrix: torch.Tensor, *, deadline: float) -> torch.Tensor:
     size = max(GRAM_MIN_ROWS, chunk_rows(matmul_seconds(2.0 * columns * columns), device=matrix.device))
     gram = matrix.new_zeros(columns, columns)
     for start in range(0, matrix.shape[0], size):
-        if expired(deadline):
+        if deadline.expired():
             raise DeadlineReached(
                 f"the deadline passed after {start} of {matrix.shape[0]} rows of a Gram matrix"
             )
         block = matrix[start : start + size]
         gram += block.T @ block
     return gram
-
-
-def expired(deadline: float) -> bool:
-    """Whether the ``time.perf_counter()`` value ``deadline`` has passed."""
-    return time.perf_counter() > deadline
 
 
 def chunk_rows(seconds_per_row: float, *, device: torch.device | None = None) -> int:
@@ -193,7 +191,7 @@ def map_rows(
     rows: torch.Tensor,
     *,
     seconds_per_row: float,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Apply a row-wise ``function`` to chunks of ``rows`` until the deadline passes.
 
@@ -205,7 +203,7 @@ def map_rows(
     size = chunk_rows(seconds_per_row, device=rows.device)
     parts = []
     for start in range(0, rows.shape[0], size):
-        if expired(deadline):
+        if deadline.expired():
             break
         parts.append(function(rows[start : start + size]))
     if not parts:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import logging
-import math
-import time
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import DeadlineReached, expired
+from fl_attack.pipeline.budget.budget import Budget
+from fl_attack.pipeline.budget.deadline import DeadlineReached
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose, rounding_floor
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ObservedUpdate
 
 logger = logging.getLogger(__name__)
-
-#: The decomposition must end by this fraction of the budget, leaving the rest (like the search
-#: does) for building the scorer, the final selection and the self-check.
-DECOMPOSITION_SHARE = 0.95
 
 
 def decompose_in_time(
@@ -25,14 +20,15 @@ def decompose_in_time(
     *,
     name: str,
     batch_size: int | None,
-    start: float,
-    budget: float | None,
+    budget: Budget,
 ) -> LowRankFactors | Reconstruction:
     """:func:`fl_attack.pipeline.spectrum.decompose.decompose` of the update (with its rounding floor), or the
     attack's result when it does not fit in the time budget.
 
-    Returns the factors when the decomposition ended within ``DECOMPOSITION_SHARE`` of the budget,
-    else :func:`out_of_time` (with ``b`` placeholder rows when ``b`` is known).
+    Returns the factors when the decomposition ended by :attr:`Budget.decomposition` (its share of
+    the budget, leaving the rest, like the search does, for building the scorer, the final
+    selection and the self-check), else :func:`out_of_time` (with ``b`` placeholder rows when
+    ``b`` is known).
 
     Parameters
     ----------
@@ -42,12 +38,10 @@ def decompose_in_time(
         The attack's name, for ``stats["attack"]``.
     batch_size
         The known batch size, or None to estimate it.
-    start
-        ``time.perf_counter()`` value at which the attack was called.
     budget
-        The time budget in seconds; None for no limit.
+        The attack's time budget.
     """
-    deadline = start + DECOMPOSITION_SHARE * budget if budget is not None else math.inf
+    deadline = budget.decomposition
     floor = rounding_floor(update.weight_update, unit_roundoff=update.unit_roundoff, weight=update.weight)
     try:
         factors = decompose(
@@ -55,25 +49,16 @@ def decompose_in_time(
         )
     except DeadlineReached as stop:
         size = batch_size or 0
-        return out_of_time(
-            name, batch_size=size, input_dim=update.input_dim, start=start, budget=budget, reason=str(stop)
-        )
-    if expired(deadline):
+        return out_of_time(name, batch_size=size, input_dim=update.input_dim, budget=budget, reason=str(stop))
+    if deadline.expired():
         reason = "the decomposition ended past its share of the time budget"
         return out_of_time(
-            name,
-            batch_size=factors.batch_size,
-            input_dim=update.input_dim,
-            start=start,
-            budget=budget,
-            reason=reason,
+            name, batch_size=factors.batch_size, input_dim=update.input_dim, budget=budget, reason=reason
         )
     return factors
 
 
-def out_of_time(
-    name: str, *, batch_size: int, input_dim: int, start: float, budget: float | None, reason: str
-) -> Reconstruction:
+def out_of_time(name: str, *, batch_size: int, input_dim: int, budget: Budget, reason: str) -> Reconstruction:
     """``batch_size`` placeholder rows (confidence 0), incomplete, stopped by the time budget.
 
     Parameters
@@ -84,10 +69,8 @@ def out_of_time(
         Rows to return: the batch size when known, else 0.
     input_dim
         Length ``n`` of one input row.
-    start
-        ``time.perf_counter()`` value at which the attack was called.
     budget
-        The time budget in seconds.
+        The attack's time budget.
     reason
         Why no search ran (``stats["stop_reason"]``).
     """
@@ -100,12 +83,12 @@ def out_of_time(
         sparsity_matching=0.0,
         complete=False,
         confidence=torch.zeros(batch_size, dtype=torch.float64),
-        seconds=time.perf_counter() - start,
+        seconds=budget.elapsed(),
         stats={
             "attack": name,
             "stopped_by": "time_budget",
             "budget_exhausted": True,
-            "time_budget": budget,
+            "time_budget": budget.seconds,
             "directions_found": 0,
             "stop_reason": reason,
         },

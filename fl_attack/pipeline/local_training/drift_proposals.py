@@ -17,13 +17,12 @@ the others'.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.local_training.drift import DriftMatchingScorer
 from fl_attack.pipeline.search.candidates import CandidatePool
 from fl_attack.pipeline.search.sparsity import zero_masks
@@ -58,7 +57,7 @@ class DriftSearch(Protocol):
     """What :func:`interleave_drift_rounds` reads of the attack's search state."""
 
     generator: torch.Generator
-    deadline: float
+    deadline: Deadline
     stats: dict[str, Any]
     latest: Selection | None
     pool: CandidatePool
@@ -77,7 +76,7 @@ def interleave_drift_rounds(
     for batch in proposals:
         yield batch
         latest = state.latest
-        if latest is None or expired(state.deadline) or scorer.accepts(latest):
+        if latest is None or state.deadline.expired() or scorer.accepts(latest):
             continue
         if rounds % 2 == 0:
             trusted = selection_trusted(scorer, latest, confident_zeros=state.pool.min_zeros)
@@ -126,7 +125,7 @@ def drift_proposals(
     trusted: torch.Tensor,
     *,
     generator: torch.Generator,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Exact-kernel proposals for the samples not among the ``(t, b)`` ``trusted`` unit directions.
 
@@ -143,7 +142,7 @@ def drift_proposals(
     if b < 2 or missing <= 0:
         return empty
     approximations = _approximations(left, trusted, count=missing, generator=generator, deadline=deadline)
-    if approximations.shape[0] == 0 or expired(deadline):
+    if approximations.shape[0] == 0 or deadline.expired():
         return empty
     known = torch.cat([trusted, approximations], dim=0)
     directions = torch.cat([known, orthonormal_completion(known, b).to(left.dtype)], dim=0)
@@ -177,7 +176,7 @@ def _approximations(
     *,
     count: int,
     generator: torch.Generator,
-    deadline: float,
+    deadline: Deadline,
 ) -> torch.Tensor:
     """Up to ``count`` approximate directions of samples not in ``trusted``: l1 minima on the
     sphere started in the complement of ``trusted``, sparsest first, distinct from the trusted

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.noise.joint_refit import refit_on
 from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer, orthonormal_completion
 
@@ -122,7 +122,7 @@ def blend_refit(
     selection: Selection,
     *,
     iterations: int = BLEND_ITERATIONS,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> Selection:
     """The selection with the found rows that look like blends re-fitted (module docstring).
 
@@ -156,7 +156,7 @@ def blend_refit(
         _, q_inv = scorer.score(directions)
         masks = inactive_masks(scorer, q_inv)  # the same for every row re-fitted in this round
         for i in flagged:
-            if expired(deadline) or time.perf_counter() + seconds > deadline:
+            if not deadline.fits(seconds):
                 break  # each re-fit costs about as much as the one before
             started = time.perf_counter()
             trial = refit_on_inactive(scorer, directions, [i], masks=masks)

@@ -20,12 +20,11 @@ reaches 0.9990.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.sparsity import zero_masks
 from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer, orthonormal_completion
 
@@ -81,7 +80,7 @@ def joint_refit(
     selection: Selection,
     *,
     iterations: int = REFIT_ITERATIONS,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> Selection:
     """The selection with its found directions re-fitted on their predicted zeros (module docstring).
 
@@ -105,7 +104,7 @@ def joint_refit(
     directions = selection.directions / selection.directions.norm(dim=1, keepdim=True)
     seconds = 0.0
     for _ in range(iterations):
-        if expired(deadline) or time.perf_counter() + seconds > deadline:
+        if not deadline.fits(seconds):
             break  # the next iteration would not fit: each costs about as much as the one before
         started = time.perf_counter()
         previous = directions[found]

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.noise.blend_refit import blend_refit
 from fl_attack.pipeline.noise.joint_refit import joint_refit
 from fl_attack.pipeline.selection.select import (
@@ -121,7 +121,7 @@ def trusted_selection(
     excess: torch.Tensor,
     *,
     min_matching: float = MIN_OWN_MATCHING,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> Selection:
     """The candidates trusted one at a time by their own matching, completed to ``b`` rows.
 
@@ -137,7 +137,7 @@ def trusted_selection(
     min_matching
         Own matching at which a candidate is trusted.
     deadline
-        ``time.perf_counter()`` value after which no further candidate is tried and no re-check
+        Deadline after which no further candidate is tried and no re-check
         pass starts (the seed, :func:`_seed`, is always judged).
 
     Returns
@@ -163,7 +163,7 @@ def trusted_selection(
     order = torch.argsort(excess, descending=True, stable=True).tolist()
     chosen = _seed(scorer, unit, order, min_matching=min_matching)
     for index in order:
-        if expired(deadline):
+        if deadline.expired():
             break  # what is trusted so far stands; the rest stays unclaimed
         if index in chosen:
             continue
@@ -177,7 +177,7 @@ def trusted_selection(
         if float(own[0]) >= min_matching:
             chosen.append(index)
     for _ in range(RECHECK_PASSES):
-        if expired(deadline) or not chosen:
+        if deadline.expired() or not chosen:
             break
         updated = _recheck(scorer, unit, excess, chosen, min_matching=min_matching)
         if updated == chosen:
@@ -338,7 +338,7 @@ REFIT_MIN_FOUND = 0.9
 
 
 def finish_noisy(
-    scorer: SparsityMatchingScorer, selection: Selection, *, width: int, deadline: float
+    scorer: SparsityMatchingScorer, selection: Selection, *, width: int, deadline: Deadline
 ) -> Selection:
     """The last steps of a noisy attack: :func:`fl_attack.pipeline.selection.select.prune_doubtful`, then on
     wide layers (:func:`uses_trusted_selection`) with at least ``REFIT_MIN_FOUND`` of the batch

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import (
     chunk_rows,
     eigh_seconds,
     elementwise_seconds,
-    expired,
     map_rows,
     matmul_seconds,
 )
@@ -105,7 +104,7 @@ class CandidatePool:
     def __len__(self) -> int:
         return int(self.directions.shape[0])
 
-    def add(self, proposals: torch.Tensor, *, deadline: float = math.inf) -> int:
+    def add(self, proposals: torch.Tensor, *, deadline: Deadline = Deadline.never()) -> int:
         """Refine, filter and deduplicate ``(k, b)`` proposals; returns how many new confident
         or weak candidates were stored.
 
@@ -158,7 +157,7 @@ class CandidatePool:
         self.excess = torch.cat([self.excess, excess[kept]], dim=0)
         return int(kept.numel()) + new_weak
 
-    def _unique_sparse(self, unit: torch.Tensor, deadline: float) -> torch.Tensor:
+    def _unique_sparse(self, unit: torch.Tensor, deadline: Deadline) -> torch.Tensor:
         """The unit proposals that repeat no earlier one and have at least ``b - 1`` zeros.
 
         Processed in chunks of rows until ``deadline``; counts them in ``proposals_seen``.
@@ -169,7 +168,7 @@ class CandidatePool:
         size = chunk_rows(seconds, device=unit.device)
         kept = []
         for start in range(0, total, size):
-            if expired(deadline):
+            if deadline.expired():
                 break
             stop = min(total, start + size)
             # a row repeats an earlier one (kept or not) when their |cosine| is close to 1

@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import cholesky_seconds, chunk_rows, expired, matmul_seconds
+from fl_attack.pipeline.budget.budget import Deadline
+from fl_attack.pipeline.budget.deadline import cholesky_seconds, chunk_rows, matmul_seconds
 from fl_attack.pipeline.search.pattern_scan import line_pattern_kernels
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors
@@ -41,7 +42,7 @@ def scan_missing_directions(
     min_zeros: int,
     max_proposals: int = 8,
     chunk: int = 256,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Propose the directions missing from ``b - 1`` or ``b - 2`` found ones.
 
@@ -62,7 +63,7 @@ def scan_missing_directions(
     chunk
         Most patterns screened at once (fewer for large ``b``, to bound each chunk's time).
     deadline
-        ``time.perf_counter()`` value after which the scans stop (both ``d = 1`` and ``d = 2``).
+        Deadline after which the scans stop (both ``d = 1`` and ``d = 2``).
 
     Returns
     -------
@@ -89,7 +90,7 @@ def scan_missing_directions(
         lines = int(max(8, min(4 * m, PAIR_SCAN_FLOPS / (m * b**3 / 3 + 1))))
         offset = 0.5 * math.pi / lines
         for k in range(lines):
-            if expired(deadline):
+            if deadline.expired():
                 break
             angle = offset + math.pi * k / lines
             slope = math.cos(angle) * slopes[:, 0] + math.sin(angle) * slopes[:, 1]

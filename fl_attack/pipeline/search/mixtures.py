@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import chunk_rows, elementwise_seconds, expired, matmul_seconds
+from fl_attack.pipeline.budget.budget import Deadline
+from fl_attack.pipeline.budget.deadline import chunk_rows, elementwise_seconds, matmul_seconds
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, zero_masks
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors
 
@@ -38,7 +39,7 @@ def split_mixtures(
     *,
     partners: int = 3,
     chunk: int = 4096,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Propose directions hidden in the planes spanned by a mixture and a found direction.
 
@@ -58,7 +59,7 @@ def split_mixtures(
     chunk
         Most pairs processed at once (fewer on wide layers, to bound each chunk's time).
     deadline
-        ``time.perf_counter()`` value after which no further chunk of pairs is processed.
+        Deadline after which no further chunk of pairs is processed.
 
     Returns
     -------
@@ -88,7 +89,7 @@ def split_mixtures(
     )
     proposals = []
     for start in range(0, pair_mix.numel(), chunk):
-        if expired(deadline):
+        if deadline.expired():
             break
         c = mixtures[pair_mix[start : start + chunk]]
         f = found[pair_found[start : start + chunk]]

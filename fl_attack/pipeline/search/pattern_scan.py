@@ -16,11 +16,9 @@ line) and by the input side (``alpha > 0``: a vertex of the input cone at its un
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 
 
 def _probes(ordered: torch.Tensor, *, positive_only: bool) -> torch.Tensor:
@@ -40,7 +38,7 @@ def line_pattern_kernels(
     minimum: int,
     limit: float,
     chunk: int,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
     positive_only: bool = False,
     fresh_grams: bool = False,
 ) -> list[tuple[float, torch.Tensor]]:
@@ -59,7 +57,7 @@ def line_pattern_kernels(
     chunk
         Most patterns screened at once (the deadline is checked between chunks).
     deadline
-        ``time.perf_counter()`` value after which no further chunk is screened.
+        Deadline after which no further chunk is screened.
     positive_only
         Scan ``alpha > 0`` only (from just above 0), instead of every real ``alpha``.
     fresh_grams
@@ -95,7 +93,7 @@ def line_pattern_kernels(
     found: list[tuple[float, torch.Tensor]] = []
     if fresh_grams:
         for start in range(0, probes.numel(), chunk):
-            if expired(deadline):
+            if deadline.expired():
                 break
             inactive = (probes[start : start + chunk, None] * slope[None, :] + bias[None, :]) <= 0
             masks = inactive[inactive.sum(dim=1) >= minimum].to(left.dtype)
@@ -111,7 +109,7 @@ def line_pattern_kernels(
     gram = left.T @ (first_inactive.to(left.dtype)[:, None] * left)
     eye = torch.eye(b, dtype=left.dtype, device=left.device)
     for start in range(0, probes.numel(), chunk):
-        if expired(deadline):
+        if deadline.expired():
             break
         stop = min(start + chunk, probes.numel())
         index = torch.arange(start, stop, device=left.device)

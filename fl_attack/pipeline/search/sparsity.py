@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import (
     eigh_seconds,
     elementwise_seconds,
@@ -179,7 +180,12 @@ def kernel_of_smallest(factors: LowRankFactors, directions: torch.Tensor, *, row
 
 
 def round_minima(
-    factors: LowRankFactors, minima: torch.Tensor, *, rows: int, exact: bool, deadline: float = math.inf
+    factors: LowRankFactors,
+    minima: torch.Tensor,
+    *,
+    rows: int,
+    exact: bool,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Round the sphere search's minima: least-squares kernel of their ``rows`` smallest rows,
     then (``exact``) the exact kernel of the ``b - 1`` smallest.

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import (
     chunk_rows,
     elementwise_seconds,
-    expired,
     map_rows,
     matmul_seconds,
     qr_seconds,
@@ -108,7 +108,7 @@ def optimize_on_sphere(
     optimizer: str = "radam",
     schedule: SphereSchedule = SphereSchedule(),
     smoothing: float | None = None,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
     prune: SettledPruning | None = None,
 ) -> torch.Tensor:
     """Minimize ``sum_j f((left @ q)_j)`` over unit ``q`` for every row of ``initial`` at once.
@@ -133,7 +133,7 @@ def optimize_on_sphere(
         Scale of the ``logcosh`` surrogate; defaults to ``0.1 / sqrt(m)``, a tenth of the
         typical entry of a unit gradient column.
     deadline
-        ``time.perf_counter()`` value at which to stop (checked within every step) and return
+        Deadline at which to stop (checked within every step) and return
         the current points.
     prune
         Drop, during the optimization, the points that settled next to a known direction or next
@@ -159,7 +159,7 @@ def optimize_on_sphere(
                     count = state.point.shape[0]
                 lr = schedule.lr_at(step)
                 for start in range(0, count, rows):
-                    if expired(deadline):
+                    if deadline.expired():
                         return state.point.clone()
                     part = slice(start, start + rows)
                     values = state.point[part] @ left_t  # (rows, m)
@@ -305,7 +305,7 @@ def sampling_rounding(
     pool_fraction: float,
     samples: int,
     generator: torch.Generator,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """SPEAR++ Sec. 4.4: round approximate minima by kernels of randomly chosen small rows.
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.candidates import CandidatePool
 from fl_attack.pipeline.search.mixtures import split_mixtures
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, deduplicate, zero_masks
@@ -121,7 +121,7 @@ def twin_plane_proposals(
     tolerance: ZeroTolerance,
     *,
     max_per_plane: int = 64,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
     seen: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Propose the directions of near-identical samples hidden behind blends among ``directions``.
@@ -138,7 +138,7 @@ def twin_plane_proposals(
     max_per_plane
         Most proposals from one plane.
     deadline
-        ``time.perf_counter()`` value after which no further direction is tested.
+        Deadline after which no further direction is tested.
     seen
         ``(2, b)`` planes already split in this attack: skipped, and the new ones appended (a
         batch of look-alikes gives the same planes round after round).
@@ -161,7 +161,7 @@ def twin_plane_proposals(
     proposals: list[torch.Tensor] = []
     planes: list[torch.Tensor] = [] if seen is None else seen
     for zero in masks:
-        if expired(deadline):
+        if deadline.expired():
             break
         count = int(zero.sum())
         if count < b or count == m:
@@ -189,7 +189,7 @@ def split_blends(
     mixtures: torch.Tensor,
     pool: CandidatePool,
     selected: torch.Tensor,
-    deadline: float,
+    deadline: Deadline,
 ) -> torch.Tensor:
     """Proposals from blends of samples' directions: mixtures split in the planes they span with
     the ``pool``'s directions (:func:`fl_attack.pipeline.search.mixtures.split_mixtures`), then the twin

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import (
     chunk_rows,
     eigh_seconds,
     elementwise_seconds,
-    expired,
     lstsq_seconds,
     matmul_seconds,
     qr_seconds,
@@ -217,7 +217,7 @@ def select(
     zero_counts: torch.Tensor,
     *,
     max_swap_rounds: int = 50,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
     good_enough: float = 1.0,
     incumbent: torch.Tensor | None = None,
 ) -> Selection:
@@ -235,7 +235,7 @@ def select(
     max_swap_rounds
         Upper bound on improving swaps (each round tries every swap of the worst columns).
     deadline
-        ``time.perf_counter()`` value after which no further swap is tried.
+        Deadline after which no further swap is tried.
     good_enough
         Per-sample matching at which a chosen direction is not swapped any more; swaps stop
         when every direction reaches it. On large layers a swap round costs seconds, so
@@ -303,7 +303,7 @@ def _swapped(
     zero_counts: torch.Tensor,
     chosen: list[int],
     max_swap_rounds: int,
-    deadline: float,
+    deadline: Deadline,
     good_enough: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy swaps from the ``chosen`` rows: the directions reached and their per-sample matching."""
@@ -315,7 +315,7 @@ def _swapped(
         (i for i in range(candidates.shape[0]) if i not in chosen_set), key=lambda i: -float(zero_counts[i])
     )
     for _ in range(max_swap_rounds):
-        if not unused or bool((per_sample >= good_enough).all()) or expired(deadline):
+        if not unused or bool((per_sample >= good_enough).all()) or deadline.expired():
             break
         improved = _best_swap(scorer, directions, per_sample, candidates, unused, deadline, good_enough)
         if improved is None:
@@ -334,7 +334,7 @@ def _best_swap(
     per_sample: torch.Tensor,
     candidates: torch.Tensor,
     unused: list[int],
-    deadline: float,
+    deadline: Deadline,
     good_enough: float = 1.0,
 ) -> tuple[int, int, torch.Tensor] | None:
     """The swap (chosen position, unused candidate) that raises total matching the most."""
@@ -351,10 +351,10 @@ def _best_swap(
     # try the worst-matching positions first; each is a batched evaluation over the pool, in
     # chunks so that the deadline is checked within it (the best swap so far stays valid)
     for position in positions:
-        if per_sample[position] >= good_enough or expired(deadline):
+        if per_sample[position] >= good_enough or deadline.expired():
             break
         for start in range(0, pool.shape[0], size):
-            if expired(deadline):
+            if deadline.expired():
                 break
             chunk = pool[start : start + size]
             trial = directions.expand(chunk.shape[0], -1, -1).clone()
@@ -374,7 +374,7 @@ def prune_doubtful(
     scorer: SparsityMatchingScorer,
     selection: Selection,
     *,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
     min_gain: float = 5e-3,
     max_pruned_fraction: float = 0.5,
 ) -> Selection:
@@ -396,7 +396,7 @@ def prune_doubtful(
     kept = kept / kept.norm(dim=1, keepdim=True)
     floor = max(1, math.ceil((1.0 - max_pruned_fraction) * b))
     current = _no_deadline(_kept_matching(scorer, kept[None], b))[0]
-    while kept.shape[0] > floor and not expired(deadline):
+    while kept.shape[0] > floor and not deadline.expired():
         k = kept.shape[0]
         # a dropped row's own matching must not count: compare the other rows only
         others = (current.sum() - current) / (k - 1)
@@ -442,7 +442,7 @@ def _no_deadline(values: torch.Tensor | None) -> torch.Tensor:
 
 
 def _kept_matching(
-    scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: int, *, deadline: float = math.inf
+    scorer: SparsityMatchingScorer, kept_sets: torch.Tensor, b: int, *, deadline: Deadline = Deadline.never()
 ) -> torch.Tensor | None:
     """Per-row matching ``(s, k)`` of the kept rows of each ``(s, k, b)`` set completed to
     ``b`` rows; None when the deadline passes first."""
@@ -452,7 +452,7 @@ def _kept_matching(
     size = min(32, chunk_rows(score_seconds(m, b) + qr_seconds(b), device=kept_sets.device))
     values = []
     for start in range(0, sets, size):
-        if expired(deadline):
+        if deadline.expired():
             return None
         chunk = kept_sets[start : start + size]
         if k < b:

@@ -55,7 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import elementwise_seconds, expired, map_rows, matmul_seconds
+from fl_attack.pipeline.budget.budget import Deadline
+from fl_attack.pipeline.budget.deadline import elementwise_seconds, map_rows, matmul_seconds
 from fl_attack.pipeline.search.sparsity import deduplicate, normalize_columns
 from fl_attack.pipeline.search.sphere import random_directions
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors
@@ -123,7 +124,7 @@ class BinaryHead:
     generator
         The attack's random generator.
     deadline
-        ``time.perf_counter()`` value after which no round starts; a running round stops within
+        Deadline after which no round starts; a running round stops within
         one chunk of work (:mod:`fl_attack.pipeline.budget.deadline`).
     starts
         Random starts per round; None: ``max(MIN_STARTS, STARTS_PER_SAMPLE * b)``.
@@ -142,7 +143,7 @@ class BinaryHead:
         *,
         relative_noise: float,
         generator: torch.Generator,
-        deadline: float = math.inf,
+        deadline: Deadline = Deadline.never(),
         starts: int | None = None,
     ) -> None:
         left = factors.left
@@ -209,7 +210,7 @@ class BinaryHead:
         idle = 0
         # b two-valued directions need not be b samples (a binary combination of masks is
         # two-valued too): go on past b, by one idle round only
-        while idle < (ROUND_PATIENCE if self.known.shape[0] < b else 1) and not expired(self.deadline):
+        while idle < (ROUND_PATIENCE if self.known.shape[0] < b else 1) and not self.deadline.expired():
             # half the starts avoid the known directions: their columns are orthogonal to the known
             # masks, a mixture of the unknown ones only (once b - 1 are known, the last one's basin)
             device = self.left.device

@@ -28,7 +28,6 @@ on as before.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 from scipy.optimize import linprog
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.noise.one_at_a_time import uses_trusted_selection
 from fl_attack.pipeline.search.candidates import CandidatePool
 from fl_attack.pipeline.search.pattern_scan import line_pattern_kernels
@@ -78,7 +77,7 @@ class SearchContext(Protocol):
     factors: LowRankFactors
     pool: CandidatePool
     generator: torch.Generator
-    deadline: float
+    deadline: Deadline
     stats: dict[str, Any]
     active: torch.Tensor
     noisy: bool
@@ -235,7 +234,7 @@ def cone_vertices(
     count: int,
     generator: torch.Generator,
     known: torch.Tensor | None = None,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Up to ``count`` vertices ``u`` of the cone of non-negative inputs.
 
@@ -253,7 +252,7 @@ def cone_vertices(
     found: list[torch.Tensor] = []
     pool = known.detach().cpu().numpy() if known is not None else np.zeros((0, b))
     for _ in range(count):
-        if expired(deadline):
+        if deadline.expired():
             break
         weights = torch.rand(n, generator=generator, dtype=torch.float64).numpy()
         size = min(pool.shape[0], b - 2)
@@ -261,7 +260,7 @@ def cone_vertices(
         if size > 0:
             size = int(torch.randint(0, size + 1, (1,), generator=generator))
             chosen = pool[torch.randperm(pool.shape[0], generator=generator)[:size].numpy()]
-        vertex = side.vertex(weights, orthogonal_to=chosen, seconds=deadline - time.perf_counter())
+        vertex = side.vertex(weights, orthogonal_to=chosen, seconds=deadline.remaining())
         if vertex is not None:
             found.append(torch.from_numpy(vertex).to(side.basis.dtype))
     if not found:
@@ -278,7 +277,7 @@ def gradient_directions(
     bias: torch.Tensor,
     tolerance: ZeroTolerance,
     min_zeros: int,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Gradient-side directions ``q`` of ``(k, b)`` input-side directions ``u`` (oriented non-negative).
 
@@ -303,7 +302,7 @@ def gradient_directions(
     min_zeros
         Patterns with fewer inactive neurons are not considered.
     deadline
-        ``time.perf_counter()`` value after which no further input is scanned.
+        Deadline after which no further input is scanned.
 
     Returns
     -------
@@ -322,7 +321,7 @@ def gradient_directions(
     chunk = max(1, min(256, int(PATTERN_CHUNK_FLOPS // max(1, m * b * b))))
     found: list[torch.Tensor] = []
     for index in range(directions.shape[0]):
-        if expired(deadline):
+        if deadline.expired():
             break
         hits = line_pattern_kernels(
             left,
@@ -398,7 +397,7 @@ def _usable_input_side(state: SearchContext, scorer: SparsityMatchingScorer) -> 
     """The input side of the attack's factors, or None (``state.stats`` says why) where it does not apply."""
     factors = state.factors
     b = factors.batch_size
-    if b < 2 or expired(state.deadline):
+    if b < 2 or state.deadline.expired():
         return None
     if uses_trusted_selection(noisy=state.noisy, width=factors.left.shape[0], batch_size=b):
         # CIFAR-10 (150, 4000), DP 0.5x: as long as the first round spent, no vertex
@@ -413,7 +412,7 @@ def _usable_input_side(state: SearchContext, scorer: SparsityMatchingScorer) -> 
     if side.basis.shape[0] < MIN_FEATURES_PER_SAMPLE * b:
         state.stats["input_side"] = f"fewer than {MIN_FEATURES_PER_SAMPLE} live features per sample"
         return None
-    remaining = max(0.0, state.deadline - time.perf_counter())
+    remaining = max(0.0, state.deadline.remaining())
     # features zero for the whole batch (dead channels, unused categories, background pixels)
     # are the cheap sign of exact zeros: only then may the probe take MIN_ROUND_SECONDS
     floor = 0.0 if bool(side.live.all()) else MIN_ROUND_SECONDS

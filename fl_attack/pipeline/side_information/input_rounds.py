@@ -26,7 +26,6 @@ from collections.abc import Iterator
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
 from fl_attack.pipeline.search.sparsity import deduplicate, zero_masks
 from fl_attack.pipeline.selection.select import SparsityMatchingScorer
 from fl_attack.pipeline.side_information.input_cone import (
@@ -89,7 +88,7 @@ def sweep_proposals(state: SearchContext, scorer: SparsityMatchingScorer) -> tor
     if side is None:
         return None
     started = time.perf_counter()
-    until = min(state.deadline, started + max(MIN_ROUND_SECONDS, SWEEP_SHARE * (state.deadline - started)))
+    until = state.deadline.within(max(MIN_ROUND_SECONDS, SWEEP_SHARE * state.deadline.remaining()))
     b, pool = state.factors.batch_size, state.pool
     proposals, reached = reach_samples(
         side,
@@ -142,9 +141,7 @@ def _onehot_sweep(state: SearchContext, slot: InputSideSlot) -> torch.Tensor | N
         state.factors.left.new_zeros(0, b),
         tolerance=state.pool.tolerance,
         min_zeros=b + SWEEP_EXTRA_ZEROS,
-        deadline=min(
-            state.deadline, started + max(MIN_ROUND_SECONDS, SWEEP_SHARE * (state.deadline - started))
-        ),
+        deadline=state.deadline.within(max(MIN_ROUND_SECONDS, SWEEP_SHARE * state.deadline.remaining())),
     )
     state.stats.update(
         onehot_lineality=result.lineality,
@@ -219,9 +216,9 @@ def interleave_input_side(
     factors, b = state.factors, state.factors.batch_size
     seconds, stale = first[0], 0
     while True:
-        if stale < STALE_ROUNDS and not expired(state.deadline):
+        if stale < STALE_ROUNDS and not state.deadline.expired():
             before = len(state.pool)
-            until = min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds))
+            until = state.deadline.within(max(MIN_ROUND_SECONDS, seconds))
             vertices = cone_vertices(
                 side, count=2 * b, generator=state.generator, known=state.pool.directions, deadline=until
             )
@@ -240,7 +237,7 @@ def interleave_input_side(
                     tolerance=state.pool.tolerance,
                     min_zeros=state.pool.weak_min_zeros,
                     # the scans get as long again as the vertices: on wide layers they cost more
-                    deadline=min(state.deadline, time.perf_counter() + max(MIN_ROUND_SECONDS, seconds)),
+                    deadline=state.deadline.within(max(MIN_ROUND_SECONDS, seconds)),
                 )
                 first_round = state.stats["input_side_vertices"] == 0
                 state.stats["input_side_vertices"] += int(refined.shape[0])

@@ -22,11 +22,10 @@ every proposal.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.candidates import is_member
 from fl_attack.pipeline.search.last_direction import scan_missing_directions
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
@@ -61,7 +60,7 @@ def reach_samples(
     tolerance: ZeroTolerance,
     min_zeros: int,
     generator: torch.Generator,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradient-side proposals for the samples missing from ``known`` directions, and the samples reached.
 
@@ -85,7 +84,7 @@ def reach_samples(
     generator
         Draws the random positive feature weights.
     deadline
-        ``time.perf_counter()`` value after which no further programme starts.
+        Deadline after which no further programme starts.
 
     Returns
     -------
@@ -107,7 +106,7 @@ def reach_samples(
     proposals: list[torch.Tensor] = []
     reached = 0
     for programme in range(missing + EXTRA_PROGRAMMES):
-        if reached >= missing or expired(deadline):
+        if reached >= missing or deadline.expired():
             break
         if reached == 0 and programme > EXTRA_PROGRAMMES:
             break  # no vertex so far was a sample: the cone's vertices are not the inputs
@@ -115,7 +114,7 @@ def reach_samples(
         vertex = side.vertex(
             weights,
             orthogonal_to=constraints.detach().cpu().numpy() if constraints.shape[0] else None,
-            seconds=deadline - time.perf_counter(),
+            seconds=deadline.remaining(),
         )
         if vertex is None:  # no non-negative input left: the known columns cut every sample off
             break
@@ -156,7 +155,7 @@ def missing_sample_directions(
     tolerance: ZeroTolerance,
     min_zeros: int,
     generator: torch.Generator,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> torch.Tensor:
     """Gradient-side proposals for the samples missing from ``known`` directions.
 
@@ -229,7 +228,6 @@ def missing_direction_proposals(
         )
     ):
         slot.tried.append(trusted)
-        now = time.perf_counter()
         proposals = missing_sample_directions(
             side,
             trusted,
@@ -239,7 +237,7 @@ def missing_direction_proposals(
             tolerance=state.pool.tolerance,
             min_zeros=state.pool.weak_min_zeros,
             generator=state.generator,
-            deadline=min(state.deadline, now + max(MIN_SECONDS, TIME_SHARE * (state.deadline - now))),
+            deadline=state.deadline.within(max(MIN_SECONDS, TIME_SHARE * state.deadline.remaining())),
         )
         state.stats["input_side"] = "used"
         count = state.stats.get("missing_sample_proposals", 0) + int(proposals.shape[0])

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import DeadlineReached, chunked_product, expired
+from fl_attack.pipeline.budget.budget import Deadline
+from fl_attack.pipeline.budget.deadline import DeadlineReached, chunked_product
 from fl_attack.pipeline.search.candidates import CandidatePool
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
 from fl_attack.pipeline.selection.select import Selection
@@ -92,7 +93,7 @@ class ActivationSpan:
     relative_noise: float
 
 
-def activation_span(next_weight_grad: torch.Tensor, *, batch_size: int, deadline: float) -> ActivationSpan:
+def activation_span(next_weight_grad: torch.Tensor, *, batch_size: int, deadline: Deadline) -> ActivationSpan:
     """The row space of the next layer's ``(k, m)`` update at rank ``batch_size``.
 
     A randomized sketch with ``SPAN_ITERATIONS`` power iterations: five products with the update
@@ -245,7 +246,7 @@ class Deflation:
         self._stats = {} if stats is None else stats
         self._stats.update(self.stats())
 
-    def _setup(self, deadline: float) -> bool:
+    def _setup(self, deadline: Deadline) -> bool:
         """Build the activation span and the pre-activation coordinates once; False when unusable.
 
         Raises
@@ -301,7 +302,7 @@ class Deflation:
         """Keep a round's ``(k, b)`` directions to certify when the search asks for its next space."""
         self._held = torch.cat([self._held, directions], dim=0)
 
-    def space(self, *, deadline: float) -> torch.Tensor | None:
+    def space(self, *, deadline: Deadline) -> torch.Tensor | None:
         """Certify the held directions; the ``(b, b')`` space still to search (:meth:`complement`),
         or None while no sample is certified (then the whole space)."""
         held, self._held = self._held, self._held[:0]
@@ -335,7 +336,7 @@ class Deflation:
         q, _ = torch.linalg.qr(duals, mode="complete")
         return q[:, duals.shape[1] :].contiguous()
 
-    def certify(self, directions: torch.Tensor, *, deadline: float = math.inf) -> int:
+    def certify(self, directions: torch.Tensor, *, deadline: Deadline = Deadline.never()) -> int:
         """Certify the ``(k, b)`` directions that are new samples; returns how many were added.
 
         Directions with fewer than ``min_zeros`` zeros, or repeating a certified one, are skipped
@@ -356,7 +357,7 @@ class Deflation:
         unit, columns = unit[sparse], columns[sparse]
         added = 0
         for index in range(unit.shape[0]):
-            if expired(deadline):
+            if deadline.expired():
                 break
             known = self.directions()
             if known.shape[0] and float((known @ unit[index]).abs().max()) > SAME_SAMPLE_COS:

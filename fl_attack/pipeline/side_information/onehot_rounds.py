@@ -24,7 +24,6 @@ from collections.abc import Iterator
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
 from fl_attack.pipeline.search.candidates import is_member
 from fl_attack.pipeline.side_information.input_cone import InputSideSlot, SearchContext, live_features
 from fl_attack.pipeline.side_information.onehot_rows import (
@@ -68,7 +67,7 @@ def _run(state: SearchContext, slot: InputSideSlot, sets: list[torch.Tensor], *,
     if side is None:
         return found
     for known in sets:
-        if found.shape[0] >= wanted or expired(state.deadline):
+        if found.shape[0] >= wanted or state.deadline.expired():
             break
         if any(
             previous.shape == known.shape and bool(is_member(known, previous).all())
@@ -103,7 +102,7 @@ def onehot_between(
     for item in rounds:
         yield item
         slot = state.input_side
-        if slot is None or not _twins_left(state, slot) or expired(state.deadline):
+        if slot is None or not _twins_left(state, slot) or state.deadline.expired():
             continue
         found = _run(state, slot, _cut_sets(state, slot), wanted=state.factors.batch_size)
         state.stats["onehot_round_proposals"] = state.stats.get("onehot_round_proposals", 0) + int(

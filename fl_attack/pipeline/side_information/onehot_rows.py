@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.pipeline.budget.deadline import expired
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
 
 #: Relative singular value below which the one-hot columns' row space loses a dimension (Adult,
@@ -208,7 +208,7 @@ def _line_kernels(
     *,
     minimum: int,
     limit: float,
-    deadline: float,
+    deadline: Deadline,
 ) -> list[torch.Tensor]:
     """Kernels of the patterns of ``offsets[c] + t * slope <= 0`` over every real ``t``, per line ``c``.
 
@@ -222,7 +222,7 @@ def _line_kernels(
     outer = left[:, :, None] * left[:, None, :]  # (m', b, b)
     found: list[torch.Tensor] = []
     for start in range(0, offsets.shape[0], LINE_CHUNK):
-        if expired(deadline):
+        if deadline.expired():
             break
         chunk = offsets[start : start + LINE_CHUNK]
         breakpoints = torch.where(flat, torch.full_like(chunk, math.inf), -chunk / safe)
@@ -262,7 +262,7 @@ def one_hot_proposals(
     *,
     tolerance: ZeroTolerance,
     min_zeros: int,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> OneHotProposals:
     """Gradient-side directions of the samples not among ``known``, from their one-hot rows.
 
@@ -279,7 +279,7 @@ def one_hot_proposals(
     min_zeros
         Patterns with fewer inactive neurons (and fewer than ``b - 1``) are not considered.
     deadline
-        ``time.perf_counter()`` value after which no further chunk of rows is checked.
+        Deadline after which no further chunk of rows is checked.
 
     Returns
     -------
@@ -295,7 +295,7 @@ def one_hot_proposals(
     check_known(known, b)
     empty = OneHotProposals(side.left.new_zeros(0, b), 0, -1)
     columns = [column for group in side.groups for column in group]
-    if not columns or expired(deadline):
+    if not columns or deadline.expired():
         return empty
     local: list[list[int]] = []  # the groups as positions among ``columns``
     offset = 0
@@ -317,7 +317,7 @@ def one_hot_proposals(
     if lineality == 0:
         found = []
         for start in range(0, offsets.shape[0], POINT_CHUNK):
-            if expired(deadline):
+            if deadline.expired():
                 break
             chunk = offsets[start : start + POINT_CHUNK] <= 0
             found.append(_pattern_kernels(side.left, chunk, minimum=minimum, limit=limit))

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import (
     eigh_seconds,
     elementwise_seconds,
-    expired,
     map_rows,
     matmul_seconds,
     qr_seconds,
@@ -261,7 +261,7 @@ class HeadRounds:
     generator
         The attack's random generator.
     deadline
-        ``time.perf_counter()`` value (the attack's search deadline) after which :meth:`propose`
+        The attack's search deadline, after which :meth:`propose`
         returns nothing; a running search and its rounding stop at it within one chunk of work
         (:mod:`fl_attack.pipeline.budget.deadline`) and return what they finished.
     noisy
@@ -284,7 +284,7 @@ class HeadRounds:
         tolerance: ZeroTolerance,
         min_zeros: int,
         generator: torch.Generator,
-        deadline: float = math.inf,
+        deadline: Deadline = Deadline.never(),
         noisy: bool = False,
         schedule: SphereSchedule = HEAD_SCHEDULE,
         repel_cos: float = REPEL_COS,
@@ -330,7 +330,7 @@ class HeadRounds:
         prior: HeadPrior,
         *,
         generator: torch.Generator,
-        deadline: float,
+        deadline: Deadline,
         noisy: bool,
     ) -> HeadRounds:
         """Head rounds for an attack's candidate pool: its factors, zero tolerance and weak threshold.
@@ -363,7 +363,7 @@ class HeadRounds:
         """
         left = self.factors.left
         b = left.shape[1]
-        if expired(self.deadline):
+        if self.deadline.expired():
             return left.new_zeros(0, b)
         if self.binary is not None and not self.binary.exhausted:  # two classes: see binary_head
             found = self.binary.propose(known, avoid=avoid)
@@ -377,7 +377,7 @@ class HeadRounds:
         sparse = first[zero_masks(self.factors, first, self.tolerance).sum(dim=1) >= self.min_zeros]
         centres = torch.cat([known, sparse])[: MAX_ROUND_INITIALIZATIONS // self.ring_starts]
         estimates = [first]
-        if centres.shape[0] and not expired(self.deadline):
+        if centres.shape[0] and not self.deadline.expired():
             starts, classes = self._ring_starts(centres)
             estimates.append(self._search(starts, classes, torch.cat([repel, sparse])))
         estimate = torch.cat(estimates)

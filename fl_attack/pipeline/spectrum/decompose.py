@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import (
     chunked_gram,
     chunked_product,
@@ -281,7 +282,7 @@ def decompose(
     *,
     batch_size: int | None = None,
     rounding_floor: float | None = None,
-    deadline: float = math.inf,
+    deadline: Deadline = Deadline.never(),
 ) -> LowRankFactors:
     """SVD-based low-rank decomposition of a weight gradient (SPEAR++ Sec. 4.1).
 
@@ -298,7 +299,7 @@ def decompose(
     rounding_floor
         :func:`rounding_floor` of the update, if known (see :func:`estimate_batch_size`).
     deadline
-        ``time.perf_counter()`` value by which to give up (``math.inf``: never). Matrix products
+        Deadline by which to give up (``Deadline.never()``: never). Matrix products
         check it between chunks; a LAPACK call (singular values, a full SVD, an eigendecomposition)
         is not started when its estimated cost (:mod:`fl_attack.pipeline.budget.deadline`) does not fit
         before it. The factors do not depend on it.
@@ -381,7 +382,7 @@ def _full_svd(weight_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def _top_singular_triplets(
-    weight_grad: torch.Tensor, singular_values: torch.Tensor, *, rank: int, deadline: float
+    weight_grad: torch.Tensor, singular_values: torch.Tensor, *, rank: int, deadline: Deadline
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top ``rank`` singular triplets ``(u, s, vh)`` without a full SVD.
 
@@ -419,7 +420,7 @@ def _gram_triplets(
     weight_grad: torch.Tensor,
     *,
     rank: int,
-    deadline: float,
+    deadline: Deadline,
     top_vectors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top ``rank`` singular triplets ``(u, s, vh)`` from the Gram matrix of the shorter side.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import scipy.linalg
 import torch
 
+from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.budget.deadline import (
     chunked_gram,
     chunked_product,
@@ -27,7 +28,7 @@ NOISY_TAIL_SHARE = 1e-4
 
 
 def noisy_spectrum(
-    weight_grad: torch.Tensor, *, rank: int, oversample: int, max_ratio: float, deadline: float
+    weight_grad: torch.Tensor, *, rank: int, oversample: int, max_ratio: float, deadline: Deadline
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The singular values and the top ``rank`` Gram eigenvectors of a noisy update; None for others.
 
@@ -44,7 +45,7 @@ def noisy_spectrum(
         :func:`fl_attack.pipeline.spectrum.decompose.decompose` takes Gram vectors anyway, and the Gram
         eigenvalues hold the singular values far better than the noise.
     deadline
-        ``time.perf_counter()`` value checked between chunks of the products.
+        Deadline checked between chunks of the products.
 
     Returns
     -------

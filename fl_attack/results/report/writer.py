@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fl_attack.pipeline.budget.budget import hard_limit
 from fl_attack.results.report.figures import plot_psnr, plot_rounds, plot_seconds
 from fl_attack.results.report.gallery import best_and_worst, gallery_png, sample_tiles, scored_samples
 from fl_attack.results.report.loading import load_run, number
@@ -63,7 +64,7 @@ def write_report(run_dir: str | Path, *, output: str | Path | None = None) -> Pa
     budget = number((data.config or {}).get("attack-time-budget"))
     timeout = number((data.config or {}).get("attack-timeout"))
     if budget and not timeout:
-        timeout = 1.5 * budget + 15.0  # the ServerApp's default hard limit
+        timeout = hard_limit(budget)  # the ServerApp's default hard limit
 
     summary = build_summary(data)
     best, worst = best_and_worst(scored_samples(data.entries), GALLERY_SIZE)
