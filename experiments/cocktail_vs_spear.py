@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fl_attack import CocktailPartyAttack, LayerAttack, SpearPlusPlus
+from fl_attack import CocktailPartyAttack, SpearPlusPlus
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.data.images import load_dataset, sample_batch
 from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.simulate.victims import build_victim, client_gradient
@@ -63,7 +64,7 @@ def run(
     """Measure both attacks on the same gradients; returns one row per (attack, b)."""
     data = load_dataset("cifar10", split="train")
     model = build_victim("spear++", input_dim=data.input_dim, width=width, num_classes=10, seed=seed)
-    attacks: dict[str, LayerAttack] = {
+    attacks: dict[str, LayerAttackBase] = {
         "cocktail-party": CocktailPartyAttack(seed=seed, time_budget=cpa_time_budget),
         "spear++": SpearPlusPlus(seed=seed, time_budget=time_budget, progress=False),
     }

@@ -142,8 +142,8 @@ def batch_gap(
     }
     rec = invert("l1", observation, trial=trial, data=data, options=options)
     ref, ours = observation.reference, rec.inputs.to(torch.float64)
-    grad = observation.update.weight_grad.double()
-    bias = observation.update.bias_grad.double()
+    grad = observation.update.weight_update.double()
+    bias = observation.update.bias_update.double()
     noise_std = float(rec.stats["noise_std"])
     quality = evaluate_reconstruction(ours, ref, denormalize=data.denormalize, image_shape=data.image_shape)
     aligned = ours[quality.order.clamp_min(0)]

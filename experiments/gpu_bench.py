@@ -186,7 +186,7 @@ def invert_on(
 ) -> Timed:
     """Attack one observed update on ``device``, timed to the device's last kernel; never raises."""
     update = observation.update
-    following = observation.next_weight_grad if next_layer else None
+    following = observation.next_weight_update if next_layer else None
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -197,8 +197,8 @@ def invert_on(
     try:
         with hard_time_limit(2 * budget + 30.0):
             rec = attack.invert(
-                update.weight_grad,
-                update.bias_grad,
+                update.weight_update,
+                update.bias_update,
                 weight=update.weight,
                 bias=update.bias,
                 next_weight_grad=following,

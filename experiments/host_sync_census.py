@@ -94,16 +94,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         trial = draw_trial(data, setting, index=0, seed=seed)
         observation = observe(setting, trial, data)
         update = observation.update
-        following = observation.next_weight_grad if args.next_layer else None
+        following = observation.next_weight_update if args.next_layer else None
         spear = SpearPlusPlus(device=args.device, seed=seed, time_budget=args.time_budget, progress=False)
         start = time.perf_counter()
         if census is None:
-            rec = spear.invert(update.weight_grad, update.bias_grad, weight=update.weight, bias=update.bias)
+            rec = spear.invert(
+                update.weight_update, update.bias_update, weight=update.weight, bias=update.bias
+            )
         else:
             with census:
                 rec = spear.invert(
-                    update.weight_grad,
-                    update.bias_grad,
+                    update.weight_update,
+                    update.bias_update,
                     weight=update.weight,
                     bias=update.bias,
                     next_weight_grad=following,

@@ -22,14 +22,13 @@ time, and how often the attack claimed ``complete`` on a batch that was not exac
 The script imports nothing but :mod:`fl_attack`, so it can also time another checkout of it
 (``PYTHONPATH=that/checkout python path/to/input_distributions.py``); ``--head auto`` passes the
 output layer's weight (``head_weight=``) only where the attacked layer feeds the output layer
-(one hidden layer) and the attack accepts that keyword.
+(one hidden layer) and the attack uses it (:attr:`fl_attack.LayerAttack.uses`).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import json
 import math
 import statistics
@@ -156,11 +155,6 @@ def output_layer_weight(model: nn.Module) -> torch.Tensor | None:
     return layers[1][1].weight.detach().clone() if len(layers) == 2 else None
 
 
-def accepts_keyword(attack: Any, name: str) -> bool:
-    """Whether this checkout's attack takes the keyword ``name``."""
-    return name in inspect.signature(attack.invert).parameters
-
-
 def attack_batch(
     source: Source,
     *,
@@ -175,7 +169,7 @@ def attack_batch(
     """Attack trial ``seed``'s gradient once; the row's outcome fields and whether the head was used.
 
     ``use_next_layer`` also passes the gradient of the layer the attacked layer's ReLU feeds
-    (``next_weight_grad=``), where the attack takes it and one follows.
+    (``next_weight_grad=``), where the attack uses it and one follows.
     """
     inputs, labels = source.sample(batch_size, seed)
     model = build_victim(
@@ -190,11 +184,12 @@ def attack_batch(
     _, layer = first_linear(model)
     attack = SpearPlusPlus(time_budget=time_budget, seed=seed, progress=False)
     extra: dict[str, Any] = {}
-    head = output_layer_weight(model) if use_head and accepts_keyword(attack, "head_weight") else None
+    uses = getattr(attack, "uses", frozenset())  # a checkout from before LayerAttack.uses: neither
+    head = output_layer_weight(model) if use_head and "head_weight" in uses else None
     if head is not None:
         extra["head_weight"] = head
     gradient_of_next = getattr(victims, "next_layer_gradient", None)  # absent from older checkouts
-    if use_next_layer and gradient_of_next is not None and accepts_keyword(attack, "next_weight_grad"):
+    if use_next_layer and gradient_of_next is not None and "next_weight_update" in uses:
         following = gradient_of_next(model, inputs, labels)
         if following is not None:
             extra["next_weight_grad"] = following

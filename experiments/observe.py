@@ -68,7 +68,7 @@ class Observation:
     local_steps: int = 1
     """Full-batch local steps of a FedAvg update ``W_E - W_0`` (1 otherwise), which the server
     configured and may give the attack (option ``known_local_steps``)."""
-    next_weight_grad: torch.Tensor | None = None
+    next_weight_update: torch.Tensor | None = None
     """The gradient of the linear layer fed by the attacked layer's ReLU from the same step
     (section ``fedsgd``), which the server sees too and may give the attack (option ``next_layer``)."""
 
@@ -97,7 +97,7 @@ def _fedsgd(setting: Setting, trial: Trial, data: Data) -> Observation:
     weight_grad, bias_grad = client_gradient(trial.model, trial.inputs, trial.labels)
     following = next_layer_gradient(trial.model, trial.inputs, trial.labels)
     update = first_layer_update(trial.model, weight_grad, bias_grad)
-    return Observation(update, trial.reference, next_weight_grad=following)
+    return Observation(update, trial.reference, next_weight_update=following)
 
 
 def _full(setting: Setting, trial: Trial, data: Data) -> Observation:

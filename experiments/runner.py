@@ -89,10 +89,10 @@ def invert(
             attack = get_attack(
                 spec.attack, seed=trial.seed, time_budget=budget, progress=False, **spec.options
             )
-            gradients = (update.weight_grad, update.bias_grad)
+            gradients = (update.weight_update, update.bias_update)
             weight, bias = update.weight, update.bias
             if isinstance(attack, GradientInversionAttack):  # SPEAR, SPEAR++
-                following = observation.next_weight_grad if options["next_layer"] else None
+                following = observation.next_weight_update if options["next_layer"] else None
                 extra = {} if following is None else {"next_weight_grad": following}
                 if steps > 1:  # FedAvg's drift
                     extra["local_steps"] = steps

@@ -148,8 +148,8 @@ def _denoised(setting: Setting, rec: Reconstruction, observed: Observation, data
     try:
         denoised = denoised_attack(
             rec.inputs,
-            weight_grad=update.weight_grad,
-            bias_grad=update.bias_grad,
+            weight_grad=update.weight_update,
+            bias_grad=update.bias_update,
             noise_std=noise_std,
             data=data,
         )

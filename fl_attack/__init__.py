@@ -13,7 +13,6 @@ from fl_attack.attacks import (
     CocktailPartyAttack,
     GradientInversionAttack,
     InvertingGradients,
-    LayerAttack,
     Spear,
     SpearPlusPlus,
     available_attacks,
@@ -23,7 +22,7 @@ from fl_attack.attacks import (
 from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.pipeline.search.sphere import SURROGATES, SphereSchedule
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.types import ObservedUpdate
+from fl_attack.types import LayerAttack, LayerUpdate, ObservedUpdate
 
 __all__ = [
     "Budget",
@@ -31,6 +30,7 @@ __all__ = [
     "GradientInversionAttack",
     "InvertingGradients",
     "LayerAttack",
+    "LayerUpdate",
     "ObservedUpdate",
     "Reconstruction",
     "SURROGATES",

@@ -7,9 +7,8 @@ from typing import Any
 
 from flwr.app import UserConfigValue
 
-from fl_attack import get_attack
+from fl_attack import LayerAttack, get_attack
 from fl_attack.audit import (
-    Attacker,
     AttackSettings,
     Auditor,
     ExecutionSettings,
@@ -23,7 +22,7 @@ from fl_attack.simulate.secagg import FLOWER_DEFAULTS
 from .run_config import RunConfigError, attack_timeout, parse_partitions, resolve_audit_config
 
 
-def build_attacker(config: Mapping[str, UserConfigValue]) -> Attacker:
+def build_attacker(config: Mapping[str, UserConfigValue]) -> LayerAttack:
     """The registered attack ``attack-name`` (default SPEAR++) on ``attack-device``.
 
     ``attack-local-steps`` above 1 is given to the attack (SPEAR and SPEAR++ take it); it needs
@@ -67,7 +66,7 @@ def build_auditor(
     overrides: Mapping[str, UserConfigValue] | None = None,
     *,
     scorer: ReconstructionScorer | None = None,
-    attacker: Attacker | None = None,
+    attacker: LayerAttack | None = None,
     store: ReconstructionStore | None | Any = ...,
 ) -> Auditor:
     """An :class:`Auditor` from the audit keys of a run config (other keys are ignored).
@@ -80,7 +79,7 @@ def build_auditor(
         Audit keys taking precedence.
     scorer : ReconstructionScorer or None (default: None)
         Scores reconstructions against ground truth clients send.
-    attacker : Attacker or None (default: None)
+    attacker : LayerAttack or None (default: None)
         The attack; None builds ``attack-name`` from the registry.
     store : ReconstructionStore or None (default: opened from ``output-dir``)
         Where to write; None keeps records in memory only.

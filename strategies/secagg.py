@@ -51,7 +51,8 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy as LegacyStrategy
 from flwr.serverapp.strategy import Strategy as MessageStrategy
 
-from fl_attack.audit import Attacker, Auditor, ClientIdentity, ClientUpdate, GroundTruth, SecAggSettings
+from fl_attack import LayerAttack
+from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, GroundTruth, SecAggSettings
 from fl_attack.audit.protocol import (
     LEGACY_METRIC_PREFIX,
     PARTITION_ID_KEY,
@@ -201,7 +202,7 @@ class AuditedLegacyStrategy(LegacyStrategy):
         *,
         array_names: Sequence[str] | None = None,
         scorer: ReconstructionScorer | None = None,
-        attacker: Attacker | None = None,
+        attacker: LayerAttack | None = None,
         **overrides: UserConfigValue,
     ) -> AuditedLegacyStrategy:
         """Wrap ``strategy`` with an auditor configured from the run config (one line in a ServerApp).
@@ -362,7 +363,7 @@ def audit_secagg(
     *,
     array_names: Sequence[str] | None = None,
     scorer: ReconstructionScorer | None = None,
-    attacker: Attacker | None = None,
+    attacker: LayerAttack | None = None,
     **overrides: UserConfigValue,
 ) -> AuditedLegacyStrategy:
     """One line for a SecAgg+ ServerApp: ``strategy = audit_secagg(FedAvg(...), context)``.

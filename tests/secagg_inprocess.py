@@ -28,7 +28,8 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl_attack import Reconstruction
+from fl_attack import LayerUpdate, Reconstruction
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.evaluation.scoring import ReconstructionScorer
 
 INPUT_DIM, WIDTH = 6, 4
@@ -151,17 +152,15 @@ def client_replies(
     return start, replies
 
 
-class RecordingAttacker:
+class RecordingAttacker(LayerAttackBase):
     """Returns fixed inputs and remembers the observed updates it was given."""
 
     def __init__(self, rows: int = 2, width: int = INPUT_DIM) -> None:
         self.calls: list[dict[str, Any]] = []
         self.rows, self.width = rows, width
 
-    def invert(self, weight_grad: Any, bias_grad: Any, **kwargs: Any) -> Reconstruction:
-        self.calls.append(
-            {"weight_grad": np.asarray(weight_grad), "bias_grad": np.asarray(bias_grad), **kwargs}
-        )
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Reconstruction:
+        self.calls.append({"update": update, **options})
         return Reconstruction(
             inputs=torch.zeros(self.rows, self.width, dtype=torch.float64),
             batch_size=self.rows,

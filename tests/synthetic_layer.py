@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack import LayerUpdate
+
 
 @dataclass(frozen=True)
 class SyntheticUpdate:
@@ -28,6 +30,10 @@ class SyntheticUpdate:
             "weight": self.weight,
             "bias": self.bias,
         }
+
+    def layer_update(self) -> LayerUpdate[torch.Tensor]:
+        """The update as the server observes it."""
+        return LayerUpdate(self.weight_grad, self.bias_grad, weight=self.weight, bias=self.bias)
 
 
 def relu_layer_update(

@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from fl_attack import LayerUpdate
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings, spill
-from fl_attack.audit.layer import LayerDelta, SentLayer, layer_arrays, layer_delta
+from fl_attack.audit.layer import SentLayer, layer_arrays, layer_delta
 from fl_attack.audit.prepare import NON_FINITE_UPDATE
 from fl_attack.audit.spill import SPILL_FOLDER, QueueSpill
 from fl_attack.audit.units import Prepared
@@ -34,7 +36,7 @@ from tests.test_audit_strategy import INPUT_DIM, _client_arrays, _global_arrays
 PATIENCE = 60.0
 
 
-class CountingAttacker:
+class CountingAttacker(LayerAttackBase):
     """Returns a fixed reconstruction and keeps no argument; optionally waits for a gate."""
 
     def __init__(self, *, gated: bool = False) -> None:
@@ -44,7 +46,7 @@ class CountingAttacker:
             self.gate.set()
         self.calls = 0
 
-    def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Reconstruction:
         self.entered.set()
         self.gate.wait(PATIENCE)
         self.calls += 1
@@ -63,9 +65,16 @@ def _live(kind: type) -> int:
     return sum(1 for thing in gc.get_objects() if type(thing) is kind)
 
 
+def _float64_updates() -> int:
+    """Distinct float64 updates alive: an attacker's view of an update (without the optional parts it
+    does not use) shares the update's arrays and is not counted again."""
+    gc.collect()
+    return len({id(thing.weight_update) for thing in gc.get_objects() if type(thing) is LayerUpdate})
+
+
 def _held() -> tuple[int, int, int]:
     """Units, sent layers and float64 updates alive (other tests' leftovers included: compare to a baseline)."""
-    return _live(Prepared), _live(SentLayer), _live(LayerDelta)
+    return _live(Prepared), _live(SentLayer), _float64_updates()
 
 
 def _updates(count: int, global_arrays: dict[str, np.ndarray]) -> list[ClientUpdate]:
@@ -139,7 +148,7 @@ def test_a_bounded_queue_bounds_the_updates_held(queue_size: int) -> None:
         assert len(held) == queue_size + 2
         assert all(unit.weight.dtype == np.float32 for unit in held)
         assert len({id(unit.global_weight) for unit in held}) == 1  # the round's global layer, once
-        assert _live(LayerDelta) == baseline[2] + 1  # only the running attack's float64 update
+        assert _float64_updates() == baseline[2] + 1  # only the running attack's float64 update
         del held
     finally:
         attacker.gate.set()
@@ -165,10 +174,10 @@ def test_a_queued_unit_keeps_the_sent_layer_and_shares_the_global_layer() -> Non
     assert first.update.global_weight is second.update.global_weight is global_layer[0]
     expected = layer_delta(updates[0].arrays, layer=layer, weight=global_layer[0], bias=global_layer[1])  # type: ignore[arg-type]
     materialized = first.materialized().update
-    assert isinstance(materialized, LayerDelta)
-    assert materialized.weight_delta.dtype == np.float64
-    assert np.array_equal(materialized.weight_delta, expected.weight_delta)
-    assert np.array_equal(materialized.bias_delta, expected.bias_delta)
+    assert isinstance(materialized, LayerUpdate)
+    assert materialized.weight_update.dtype == np.float64
+    assert np.array_equal(materialized.weight_update, expected.weight_update)
+    assert np.array_equal(materialized.bias_update, expected.bias_update)
 
 
 def test_double_precision_and_non_finite_updates_are_decided_at_once() -> None:
@@ -192,8 +201,8 @@ def test_double_precision_and_non_finite_updates_are_decided_at_once() -> None:
     refused = auditor._prepare(
         1, [ClientUpdate(identity=ClientIdentity(node_id=2), arrays=nan)], global_layer
     )
-    assert isinstance(prepared, Prepared) and isinstance(prepared.update, LayerDelta)
-    assert np.array_equal(prepared.update.weight_delta, double[layer.weight] - global_layer[0])
+    assert isinstance(prepared, Prepared) and isinstance(prepared.update, LayerUpdate)
+    assert np.array_equal(prepared.update.weight_update, double[layer.weight] - global_layer[0])
     assert not isinstance(refused, Prepared)
     assert refused.error == NON_FINITE_UPDATE and refused.status == "error"
 
@@ -255,9 +264,9 @@ class DigestAttacker(CountingAttacker):
         super().__init__(gated=gated)
         self.digests: list[str] = []
 
-    def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
-        self.digests.append(hashlib.sha256(np.ascontiguousarray(args[0]).tobytes()).hexdigest())
-        return super().invert(*args, **kwargs)
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Reconstruction:
+        self.digests.append(hashlib.sha256(np.ascontiguousarray(update.weight_update).tobytes()).hexdigest())
+        return super().attack(update, **options)
 
 
 def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(
@@ -280,7 +289,7 @@ def test_waiting_updates_wait_in_private_files_and_are_attacked_unchanged(
         for arrays in (update.arrays for update in updates)
         if arrays is not None
     ]
-    expected = [hashlib.sha256(delta.weight_delta.tobytes()).hexdigest() for delta in deltas]
+    expected = [hashlib.sha256(delta.weight_update.tobytes()).hexdigest() for delta in deltas]
     del deltas
     folder = store.directory / SPILL_FOLDER
     before = {id(thing) for thing in gc.get_objects() if type(thing) is SentLayer}

@@ -17,12 +17,15 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl_attack import Reconstruction
+from fl_attack import LayerUpdate, Reconstruction
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.audit import AttackSettings, Auditor, LayerNotFoundError, SamplingSettings, SecAggSettings
 from fl_attack.audit import select_layer as _select_layer
 from fl_attack.audit.protocol import AUDIT_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
 from fl_attack.evaluation.scoring import ReconstructionScorer
+from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.results.store import ReconstructionStore, load_table
+from fl_attack.types import OPTIONAL_PARTS
 from strategies import HonestButCuriousStrategy
 
 INPUT_DIM, WIDTH, CLASSES = 12, 6, 3
@@ -52,15 +55,17 @@ class FakeGrid:
         return list(self._node_ids)
 
 
-class RecordingAttacker:
-    """Returns fixed inputs and remembers every call it receives."""
+class RecordingAttacker(LayerAttackBase):
+    """Returns fixed inputs and remembers every update it receives, with the call's options."""
 
     def __init__(self, inputs: np.ndarray | None = None) -> None:
-        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.calls: list[tuple[LayerUpdate[Any], dict[str, Any]]] = []
         self.inputs = np.zeros((2, INPUT_DIM)) if inputs is None else inputs
 
-    def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
-        self.calls.append((args, kwargs))
+    def attack(
+        self, update: LayerUpdate[Any], /, *, batch_size: int | None = None, budget: Budget | None = None
+    ) -> Reconstruction:
+        self.calls.append((update, {"batch_size": batch_size, "budget": budget}))
         b = len(self.inputs)
         return Reconstruction(
             inputs=torch.as_tensor(self.inputs, dtype=torch.float64),
@@ -72,24 +77,24 @@ class RecordingAttacker:
         )
 
 
-class FailingAttacker:
+class FailingAttacker(LayerAttackBase):
     """Raises the given exception on every call."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
-    def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Reconstruction:
         raise self.error
 
 
-class SlowAttacker:
+class SlowAttacker(LayerAttackBase):
     """Blocks until released (or for at most ``seconds``)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.release = threading.Event()
 
-    def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Reconstruction:
         self.release.wait(self.seconds)
         raise RuntimeError("released")
 
@@ -168,19 +173,20 @@ def test_attacker_receives_exact_first_layer_delta() -> None:
     strategy.aggregate_train(1, replies)
 
     assert len(attacker.calls) == 2
-    for (args, kwargs), node in zip(attacker.calls, clients, strict=True):
-        weight_grad, bias_grad = args
+    for (update, options), node in zip(attacker.calls, clients, strict=True):
+        weight_grad, bias_grad = update.weight_update, update.bias_update
         expected_w = clients[node]["0.weight"].astype(np.float64) - global_arrays["0.weight"].astype(
             np.float64
         )
         expected_b = clients[node]["0.bias"].astype(np.float64) - global_arrays["0.bias"].astype(np.float64)
         np.testing.assert_array_equal(weight_grad, expected_w)
         np.testing.assert_array_equal(bias_grad, expected_b)
-        np.testing.assert_array_equal(kwargs["weight"], global_arrays["0.weight"].astype(np.float64))
-        np.testing.assert_array_equal(kwargs["bias"], global_arrays["0.bias"].astype(np.float64))
+        np.testing.assert_array_equal(update.weight, global_arrays["0.weight"].astype(np.float64))
+        np.testing.assert_array_equal(update.bias, global_arrays["0.bias"].astype(np.float64))
         # The attacker gets the update and the global layer, nothing about the client's data.
-        assert set(kwargs) == {"weight", "bias", "batch_size", "budget"}
-        assert kwargs["batch_size"] == 4 and kwargs["budget"].seconds == 5.0
+        assert set(options) == {"batch_size", "budget"}
+        assert options["batch_size"] == 4 and options["budget"].seconds == 5.0
+        assert all(getattr(update, part) is None for part in OPTIONAL_PARTS)  # it uses none of them
     assert [record.client for record in strategy.records] == ["partition-0", "partition-1"]
     assert all(record.status == "ok" for record in strategy.records)
 
@@ -302,7 +308,8 @@ def test_opacus_module_prefix_is_stripped() -> None:
     _configure(strategy, global_arrays)
     client = _client_arrays(global_arrays, 1)
     strategy.aggregate_train(1, [_reply(11, client, prefix="_module.")])
-    (weight_grad, bias_grad), _ = attacker.calls[0]
+    update, _ = attacker.calls[0]
+    weight_grad, bias_grad = update.weight_update, update.bias_update
     np.testing.assert_array_equal(
         weight_grad, client["0.weight"].astype(np.float64) - global_arrays["0.weight"].astype(np.float64)
     )
@@ -430,10 +437,10 @@ def test_secure_aggregation_attacks_group_sums_and_scores_each_member() -> None:
         "secagg-partition-0_partition-1",
         "partition-2",
     ]
-    (args, kwargs), _ = attacker.calls
+    (update, options), _ = attacker.calls
     summed = sum(clients[p]["0.weight"].astype(np.float64) - global_arrays["0.weight"] for p in (0, 1))
-    np.testing.assert_allclose(args[0], summed, rtol=0, atol=1e-12)
-    assert kwargs["batch_size"] == 8
+    np.testing.assert_allclose(update.weight_update, summed, rtol=0, atol=1e-12)
+    assert options["batch_size"] == 8
     group = strategy.records[0]
     assert group.details["partition_id"] == [0, 1]
     members = group.details["members"]

@@ -10,6 +10,7 @@ The estimate now measures the spectrum against the rounding floor of the observe
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -138,10 +139,12 @@ def test_float64_near_duplicates_are_two_samples_not_one() -> None:
     inputs = torch.randn(2, 6, generator=generator, dtype=torch.float64)
     inputs[1] = inputs[0] + 1e-3 * torch.randn(6, generator=generator, dtype=torch.float64)
     update = relu_layer_update(inputs, width=12, seed=0)
-    observed = ObservedUpdate.from_arrays(**update.arrays(), device=torch.device("cpu"))
+    observed = ObservedUpdate.from_update(update.layer_update(), device=torch.device("cpu"))
     assert observed.unit_roundoff == torch.finfo(torch.float64).eps
-    floor = rounding_floor(observed.weight_grad, unit_roundoff=observed.unit_roundoff, weight=observed.weight)
-    factors = decompose(observed.weight_grad, rounding_floor=floor)
+    floor = rounding_floor(
+        observed.weight_update, unit_roundoff=observed.unit_roundoff, weight=observed.weight
+    )
+    factors = decompose(observed.weight_update, rounding_floor=floor)
     assert factors.batch_size == 2 and not factors.spectrum.noisy
 
 
@@ -153,11 +156,18 @@ def test_unit_roundoff_follows_the_precision_the_values_came_from() -> None:
     as_float32 = {name: value.float() for name, value in arrays.items()}
     widened = {name: value.double() for name, value in as_float32.items()}  # a server working in float64
     cpu = torch.device("cpu")
-    assert ObservedUpdate.from_arrays(**arrays, device=cpu).unit_roundoff == torch.finfo(torch.float64).eps
-    assert ObservedUpdate.from_arrays(**as_float32, device=cpu).unit_roundoff == EPS32
-    assert ObservedUpdate.from_arrays(**widened, device=cpu).unit_roundoff == EPS32
+
+    def roundoff(given: dict[str, Any]) -> float:
+        grads = given["weight_grad"], given["bias_grad"]
+        return ObservedUpdate.from_arrays(
+            *grads, weight=given["weight"], bias=given["bias"], device=cpu
+        ).unit_roundoff
+
+    assert roundoff(arrays) == torch.finfo(torch.float64).eps
+    assert roundoff(as_float32) == EPS32
+    assert roundoff(widened) == EPS32
     numpy_arrays = {name: value.numpy() for name, value in as_float32.items()}
-    assert ObservedUpdate.from_arrays(**numpy_arrays, device=cpu).unit_roundoff == EPS32
+    assert roundoff(numpy_arrays) == EPS32
 
 
 def test_rounding_floor_validation_and_dead_rows() -> None:

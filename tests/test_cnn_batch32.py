@@ -6,6 +6,7 @@ one seeded round of 100 starts recovers samples exactly that plain SPEAR++ does 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -19,8 +20,8 @@ sys.path.insert(0, str(EXAMPLE))
 
 from next_layer_route import observe  # noqa: E402
 
+from fl_attack import LayerUpdate  # noqa: E402
 from fl_attack.attacks.next_layer import (  # noqa: E402
-    NextLayerObservation,
     complement,
     exact_from_zeros,
     recover_from_next_layer,
@@ -71,9 +72,9 @@ def test_complement_is_orthogonal_to_the_directions() -> None:
     assert np.allclose(complement([], 2), np.eye(2))
 
 
-def _observation(width: int = 6, inputs: int = 5, next_width: int = 4) -> NextLayerObservation:
+def _observation(width: int = 6, inputs: int = 5, next_width: int = 4) -> LayerUpdate[np.ndarray]:
     rng = np.random.default_rng(0)
-    return NextLayerObservation(
+    return LayerUpdate(
         weight=rng.standard_normal((width, inputs)),
         bias=rng.standard_normal(width),
         weight_update=rng.standard_normal((width, inputs)),
@@ -91,18 +92,14 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="batch_size 4 is not below the next layer's 4 outputs"):
         recover_from_next_layer(observed, batch_size=4, time_budget=1.0)
     with pytest.raises(ValueError, match=r"next_weight_update has shape \(4, 5\), expected \(k, 6\)"):
-        NextLayerObservation(
-            weight=observed.weight,
-            bias=observed.bias,
-            weight_update=observed.weight_update,
-            bias_update=observed.bias_update,
-            next_weight_update=np.zeros((4, 5)),
+        recover_from_next_layer(
+            dataclasses.replace(observed, next_weight_update=np.zeros((4, 5))), batch_size=2, time_budget=1.0
         )
     with pytest.raises(ValueError, match="bias_update contains NaN"):
-        NextLayerObservation(
-            weight=observed.weight,
-            bias=observed.bias,
-            weight_update=observed.weight_update,
-            bias_update=np.full(6, np.nan),
-            next_weight_update=observed.next_weight_update,
+        recover_from_next_layer(
+            dataclasses.replace(observed, bias_update=np.full(6, np.nan)), batch_size=2, time_budget=1.0
+        )
+    with pytest.raises(ValueError, match="the route needs the next layer's update"):
+        recover_from_next_layer(
+            dataclasses.replace(observed, next_weight_update=None), batch_size=2, time_budget=1.0
         )

@@ -105,8 +105,8 @@ def test_unlimited_budget_is_reported_and_not_exhausted() -> None:
 def _factors_and_pool(batch: int = 6, width: int = 60, features: int = 20):
     inputs = torch.randn(batch, features, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     update = relu_layer_update(inputs, width=width, seed=4)
-    observed = ObservedUpdate.from_arrays(**update.arrays(), device=torch.device("cpu"))
-    factors = decompose(observed.weight_grad)
+    observed = ObservedUpdate.from_update(update.layer_update(), device=torch.device("cpu"))
+    factors = decompose(observed.weight_update)
     tolerance = ZeroTolerance.from_noise(factors.spectrum.relative_noise, width=width)
     pool = CandidatePool(
         factors, tolerance, min_zeros=batch + 1, weak_min_zeros=batch + 1, cos_tolerance=1e-9

@@ -110,7 +110,7 @@ def test_a_sweep_from_nothing_reaches_every_sample() -> None:
         bias=update.bias,
         device=torch.device("cpu"),
     )
-    factors = decompose(observed.weight_grad, batch_size=BATCH)
+    factors = decompose(observed.weight_update, batch_size=BATCH)
     tolerance = ZeroTolerance.from_noise(factors.spectrum.relative_noise, width=WIDTH)
     informative, rows = informative_rows(factors, tolerance)
     proposals = missing_sample_directions(
@@ -169,7 +169,7 @@ def test_the_sweep_lowers_the_weak_threshold_to_the_samples_it_reached() -> None
         bias=update.bias,
         device=torch.device("cpu"),
     )
-    factors = decompose(observed.weight_grad, batch_size=BATCH)
+    factors = decompose(observed.weight_update, batch_size=BATCH)
     tolerance = ZeroTolerance.from_noise(factors.spectrum.relative_noise, width=WIDTH)
     scorer = SparsityMatchingScorer(observed, factors, tolerance)
     informative, rows = informative_rows(factors, tolerance)

@@ -104,8 +104,8 @@ def test_every_missing_sample_is_proposed(missing: int) -> None:
     batch, width = 10, 40
     inputs = pixel_like_batch(11, batch=batch, features=200)
     update = relu_layer_update(inputs, width=width, seed=11)
-    observed = ObservedUpdate.from_arrays(**update.arrays(), device=torch.device("cpu"))
-    factors = decompose(observed.weight_grad, batch_size=batch)
+    observed = ObservedUpdate.from_update(update.layer_update(), device=torch.device("cpu"))
+    factors = decompose(observed.weight_update, batch_size=batch)
     tolerance = ZeroTolerance.from_noise(1e-12, width=width)
     side = InputSide.from_factors(factors, relative_noise=1e-12, relative_zero=1e-8)
     columns = true_columns(update.inputs, update.weight_grad, batch)

@@ -51,7 +51,7 @@ def _case() -> DriftCase:
     update = ObservedUpdate.from_arrays(
         weight_delta, bias_delta, weight=layer.weight, bias=layer.bias, device=torch.device("cpu")
     )
-    factors = decompose(update.weight_grad, batch_size=B)
+    factors = decompose(update.weight_update, batch_size=B)
     tolerance = ZeroTolerance.from_noise(factors.spectrum.relative_noise, width=WIDTH)
     # ground truth: the client's steps again, summing dL/dZ of the attacked layer
     local = copy.deepcopy(model)
@@ -131,8 +131,8 @@ def test_drift_aware_attack_recovers_the_batch_exactly(given_to: str) -> None:
     per_call = {"local_steps": STEPS} if given_to == "invert" else {}
     start = time.perf_counter()
     rec = SpearPlusPlus(seed=0, time_budget=60.0, progress=False, local_steps=own_steps).invert(
-        update.weight_grad,
-        update.bias_grad,
+        update.weight_update,
+        update.bias_update,
         weight=update.weight,
         bias=update.bias,
         batch_size=B,
@@ -169,8 +169,8 @@ def test_bad_local_steps_are_rejected(steps: object) -> None:
     update = case.update
     with pytest.raises(ValueError, match="local_steps must be an integer >= 1"):
         SpearPlusPlus(time_budget=5.0, progress=False).invert(
-            update.weight_grad,
-            update.bias_grad,
+            update.weight_update,
+            update.bias_update,
             weight=update.weight,
             bias=update.bias,
             batch_size=B,

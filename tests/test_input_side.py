@@ -120,8 +120,8 @@ def test_cone_vertices_reach_true_samples() -> None:
 
 def test_gradient_directions_are_the_true_columns() -> None:
     update = relu_layer_update(pooled_relu_batch(4), width=WIDTH, seed=4)
-    observed = ObservedUpdate.from_arrays(**update.arrays(), device=torch.device("cpu"))
-    factors = decompose(observed.weight_grad, batch_size=BATCH)
+    observed = ObservedUpdate.from_update(update.layer_update(), device=torch.device("cpu"))
+    factors = decompose(observed.weight_update, batch_size=BATCH)
     side, truth = true_input_side(update)
     tolerance = ZeroTolerance.from_noise(1e-12, width=WIDTH)
     scorer = SparsityMatchingScorer(observed, factors, tolerance)

@@ -74,10 +74,10 @@ def _decayed(scale: float, *, noise: float = 0.0) -> tuple[ObservedUpdate, Obser
     synthetic = relu_layer_update(inputs, width=40, seed=3)
     clean = ObservedUpdate(synthetic.weight_grad, synthetic.bias_grad, synthetic.weight, synthetic.bias)
     generator = torch.Generator().manual_seed(4)
-    jitter = noise * torch.randn(clean.weight_grad.shape, generator=generator, dtype=torch.float64)
+    jitter = noise * torch.randn(clean.weight_update.shape, generator=generator, dtype=torch.float64)
     observed = ObservedUpdate(
-        clean.weight_grad + scale * clean.weight + jitter,
-        clean.bias_grad + scale * clean.bias,
+        clean.weight_update + scale * clean.weight + jitter,
+        clean.bias_update + scale * clean.bias,
         clean.weight,
         clean.bias,
     )
@@ -89,8 +89,8 @@ def test_weight_decay_is_read_off_the_update_and_removed() -> None:
     scale = weight_decay_scale(observed, batch_size=5)
     assert scale == pytest.approx(-3e-3, rel=1e-9)
     cleaned = remove_weight_decay(observed, scale)
-    torch.testing.assert_close(cleaned.weight_grad, clean.weight_grad, rtol=0, atol=1e-12)
-    torch.testing.assert_close(cleaned.bias_grad, clean.bias_grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cleaned.weight_update, clean.weight_update, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cleaned.bias_update, clean.bias_update, rtol=0, atol=1e-12)
 
 
 def test_no_weight_decay_is_read_off_a_plain_or_noisy_update() -> None:
@@ -101,7 +101,7 @@ def test_no_weight_decay_is_read_off_a_plain_or_noisy_update() -> None:
 
 
 def _patterns(update: ObservedUpdate, inputs: torch.Tensor) -> EpochPatterns:
-    columns = update.weight_grad @ inputs.T @ torch.linalg.inv(inputs @ inputs.T)
+    columns = update.weight_update @ inputs.T @ torch.linalg.inv(inputs @ inputs.T)
     start = update.weight @ inputs.T + update.bias[:, None]
     gram = inputs @ inputs.T + 1.0
     ambiguity = 1e-9 * (

@@ -26,9 +26,8 @@ from measure_frontier import client_step  # noqa: E402
 
 import fl_attack.attacks.next_layer_merge as next_layer_merge_module  # noqa: E402
 from clients.ground_truth import layer_inputs  # noqa: E402
-from fl_attack import get_attack  # noqa: E402
+from fl_attack import LayerUpdate, get_attack  # noqa: E402
 from fl_attack.attacks.next_layer import (  # noqa: E402
-    NextLayerObservation,
     NextLayerResult,
     RecoveredSample,
     smooth_starts,
@@ -45,7 +44,7 @@ from fl_attack.attacks.next_layer_merge import (  # noqa: E402
     route_budget,
 )
 from fl_attack.audit import AttackSettings, Auditor  # noqa: E402
-from fl_attack.audit.layer import LayerDelta, select_layer  # noqa: E402
+from fl_attack.audit.layer import select_layer  # noqa: E402
 from fl_attack.audit.next_layer_stage import with_next_layer  # noqa: E402
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate  # noqa: E402
 from fl_attack.audit.prepare import prepare_unit, round_layer  # noqa: E402
@@ -106,7 +105,7 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     assert record.seconds <= 8.0 * 1.1 + 1.0, record.seconds
 
 
-def _attacked_batch_of_8(seed: int) -> tuple[NextLayerObservation, np.ndarray, Reconstruction]:
+def _attacked_batch_of_8(seed: int) -> tuple[LayerUpdate[np.ndarray], np.ndarray, Reconstruction]:
     """Batch ``seed`` of 8 through the quickstart CNN: fc1 and fc2's updates, fc1's true inputs, and
     SPEAR++'s result on fc1 alone (10 s budget)."""
     received, net, images, _ = client_step(
@@ -117,7 +116,7 @@ def _attacked_batch_of_8(seed: int) -> tuple[NextLayerObservation, np.ndarray, R
         return np.asarray(tensor.detach().double().numpy())
 
     weight, bias = values(received.fc1.weight), values(received.fc1.bias)
-    observed = NextLayerObservation(
+    observed = LayerUpdate(
         weight=weight,
         bias=bias,
         weight_update=values(net.fc1.weight) - weight,
@@ -224,7 +223,7 @@ def test_merged_rows_rank_the_sources_and_drop_duplicates() -> None:
 
 def test_the_stage_leaves_updates_without_a_next_layer_or_complete_results_alone() -> None:
     zeros = np.zeros((3, 2))
-    update = LayerDelta(zeros, np.zeros(3), zeros, np.zeros(3))
+    update = LayerUpdate(zeros, np.zeros(3), zeros, np.zeros(3))
     marker = object()
     assert with_next_layer(marker, update, budget=Budget.start(1.0), seed=0) is marker
 
@@ -258,8 +257,8 @@ def test_the_following_layer_is_found_after_any_layer_and_the_route_runs_only_af
     assert select_layer(first).following == "fc2.weight"  # the exact attack certifies through it
     assert select_layer(arrays, weight_key="fc2.weight").following is None  # nothing follows
     # raw inputs: the route, which needs ReLU features, leaves the attack's result alone
-    delta = LayerDelta(
-        np.ones((5, 8)), np.ones(5), np.zeros((5, 8)), np.zeros(5), next_weight_delta=np.ones((4, 5))
+    delta = LayerUpdate(
+        np.ones((5, 8)), np.ones(5), np.zeros((5, 8)), np.zeros(5), next_weight_update=np.ones((4, 5))
     )
     marker = object()
     assert (
@@ -321,10 +320,10 @@ def test_one_clients_update_keeps_the_next_layers_change_and_a_sum_does_not() ->
         expected = member.arrays["fc2.weight"].astype(np.float64) - global_arrays["fc2.weight"].astype(
             np.float64
         )
-        following = prepared.delta.next_weight_delta
+        following = prepared.delta.next_weight_update
         assert following is not None and np.array_equal(following, expected)
     summed = prepare_unit(1, members, round_arrays, layer=layer, quantization=None, seed=0)
-    assert isinstance(summed, Prepared) and summed.delta.next_weight_delta is None
+    assert isinstance(summed, Prepared) and summed.delta.next_weight_update is None
     # a reply without the next layer still gets its attack, without the route
     without = {key: value for key, value in members[0].arrays.items() if key != "fc2.weight"}  # type: ignore[union-attr]
     alone = prepare_unit(
@@ -335,7 +334,7 @@ def test_one_clients_update_keeps_the_next_layers_change_and_a_sum_does_not() ->
         quantization=None,
         seed=0,
     )
-    assert isinstance(alone, Prepared) and alone.delta.next_weight_delta is None
+    assert isinstance(alone, Prepared) and alone.delta.next_weight_update is None
 
 
 def test_batch_matching_scores_a_true_batch_as_spear_does_and_a_wrong_row_lower() -> None:
@@ -345,7 +344,7 @@ def test_batch_matching_scores_a_true_batch_as_spear_does_and_a_wrong_row_lower(
     weight, bias = rng.standard_normal((width, inputs)), rng.standard_normal(width)
     active = (rows @ weight.T + bias > 0).astype(float)  # (batch, width)
     output_grads = rng.standard_normal((batch, width)) * active
-    observed = NextLayerObservation(
+    observed = LayerUpdate(
         weight=weight,
         bias=bias,
         weight_update=output_grads.T @ rows,

@@ -50,7 +50,7 @@ def _noisy_case(batch: int = 10, width: int = 200, factor: float = 0.25, seed: i
     update = ObservedUpdate.from_arrays(
         noisy_w, noisy_b, weight=layer.weight.detach(), bias=layer.bias.detach(), device="cpu"
     )
-    factors = decompose(update.weight_grad, batch_size=batch)
+    factors = decompose(update.weight_update, batch_size=batch)
     truth = output_gradient(model, images, labels)
     # the true directions as the attacker's subspace can represent them
     coordinates = (truth / truth.norm(dim=1, keepdim=True)) @ factors.left
@@ -75,7 +75,7 @@ def test_noise_std_recovers_the_gradient_noise_level() -> None:
 def test_attack_estimates_the_dp_noise_of_a_real_gradient() -> None:
     _, _, update, factors, _, _, sigma = _noisy_case()
     estimate = noise_std(
-        factors.singular_values, batch_size=factors.batch_size, shape=tuple(update.weight_grad.shape)
+        factors.singular_values, batch_size=factors.batch_size, shape=tuple(update.weight_update.shape)
     )
     assert estimate == pytest.approx(sigma, rel=0.1)
 
@@ -88,7 +88,7 @@ def test_per_direction_thresholds_predict_the_noise_at_true_zeros() -> None:
     """
     _, _, update, factors, truth, true_directions, _ = _noisy_case()
     b = factors.batch_size
-    sigma_hat = noise_std(factors.singular_values, batch_size=b, shape=tuple(update.weight_grad.shape))
+    sigma_hat = noise_std(factors.singular_values, batch_size=b, shape=tuple(update.weight_update.shape))
     tolerance = ZeroTolerance.from_noise(0.3, width=factors.left.shape[0]).with_entry_noise(
         sigma_hat, factors.singular_values[:b]
     )
@@ -127,7 +127,7 @@ def _selection(scorer: SparsityMatchingScorer, directions: torch.Tensor) -> Sele
 def test_pruning_drops_a_wrong_direction_and_keeps_the_right_ones() -> None:
     data, images, update, factors, _, true_directions, _ = _noisy_case()
     b = factors.batch_size
-    sigma_hat = noise_std(factors.singular_values, batch_size=b, shape=tuple(update.weight_grad.shape))
+    sigma_hat = noise_std(factors.singular_values, batch_size=b, shape=tuple(update.weight_update.shape))
     tolerance = ZeroTolerance.from_noise(0.3, width=factors.left.shape[0]).with_entry_noise(
         sigma_hat, factors.singular_values[:b]
     )

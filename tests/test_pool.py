@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fl_attack import LayerUpdate
 from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings
 from fl_attack.audit.pool import AttackPool
 from fl_attack.results.store import ReconstructionStore, load_table
@@ -25,9 +26,9 @@ class GatedAttacker(RecordingAttacker):
         super().__init__()
         self.gate = threading.Event()
 
-    def invert(self, *args: Any, **kwargs: Any) -> Any:
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Any:
         self.gate.wait(30.0)
-        return super().invert(*args, **kwargs)
+        return super().attack(update, **options)
 
 
 def _updates(count: int) -> tuple[dict[str, np.ndarray], list[ClientUpdate]]:
@@ -127,14 +128,13 @@ def test_pool_arguments_are_checked() -> None:
 def test_ray_backend_runs_an_attack_as_a_task() -> None:
     ray = pytest.importorskip("ray")
     from fl_attack import SpearPlusPlus
-    from fl_attack.audit.layer import LayerDelta
     from fl_attack.audit.ray_runner import RayAttackRunner
 
     rng = np.random.default_rng(0)
     weight, bias = rng.standard_normal((40, 12)), rng.standard_normal(40)
     inputs = rng.standard_normal((2, 12))
     output_grad = ((inputs @ weight.T + bias) > 0) * rng.standard_normal((2, 40))
-    delta = LayerDelta(output_grad.T @ inputs, output_grad.sum(0), weight, bias)
+    delta = LayerUpdate(output_grad.T @ inputs, output_grad.sum(0), weight, bias)
     try:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     except Exception as error:  # pragma: no cover - depends on the machine
@@ -168,4 +168,4 @@ def test_a_queued_attack_keeps_only_its_layer_update() -> None:
     assert all(member.arrays is None for member in prepared.members)
     weight = updates[0].arrays[auditor.layer.weight]  # type: ignore[index]
     expected = weight.astype(np.float64) - global_arrays[auditor.layer.weight].astype(np.float64)
-    assert np.array_equal(prepared.delta.weight_delta, expected)
+    assert np.array_equal(prepared.delta.weight_update, expected)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack import Reconstruction
+from fl_attack import LayerUpdate, Reconstruction
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.audit import Auditor, ClientIdentity, ClientUpdate, ExecutionSettings, GroundTruth
 from fl_attack.data.images import ImageData
 from fl_attack.data.tabular import CONTINUOUS, DISCRETE, TabularFeature, TabularSchema, score_reconstruction
@@ -245,13 +246,13 @@ def test_pick_scorer_from_data_kind_and_input_space() -> None:
 # ----------------------------------------------------------------------------- with the Auditor
 
 
-class FixedAttacker:
+class FixedAttacker(LayerAttackBase):
     """Returns fixed rows as a complete reconstruction."""
 
     def __init__(self, inputs: np.ndarray) -> None:
         self.inputs = inputs
 
-    def invert(self, *args: Any, **kwargs: Any) -> Reconstruction:
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Reconstruction:
         count = len(self.inputs)
         return Reconstruction(
             inputs=torch.as_tensor(self.inputs, dtype=torch.float64),

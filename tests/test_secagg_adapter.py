@@ -145,8 +145,8 @@ def test_adapter_attacks_the_secaggplus_aggregate_as_one_unit_and_aggregates_lik
     # the attacker saw k (A - W0) of the first layer, summed as the auditor sums members
     (call,) = attacker.calls
     change = aggregate[0] - start[0].astype(np.float64)
-    assert np.array_equal(call["weight_grad"], change + change + change + change)
-    assert np.array_equal(call["weight"], start[0].astype(np.float64))
+    assert np.array_equal(call["update"].weight_update, change + change + change + change)
+    assert np.array_equal(call["update"].weight, start[0].astype(np.float64))
     (record,) = strategy.records
     assert record.client == "secagg-partition-0_partition-1_partition-2_partition-3"
     assert record.details["partition_id"] == [0, 1, 2, 3] and record.details["secagg_group_size"] == 4
@@ -182,7 +182,7 @@ def test_adapter_without_secagg_attacks_every_client() -> None:
         num_examples=[8, 8],
         seed=(0, 1, *nodes[:2]),
     )
-    assert np.array_equal(attacker.calls[0]["weight_grad"], expected)
+    assert np.array_equal(attacker.calls[0]["update"].weight_update, expected)
 
 
 # ----------------------------------------------------------------------------- run_simulation
@@ -286,7 +286,7 @@ def test_adapter_under_run_simulation_with_flowers_secaggplus(
     # the attack saw the sum of the four changes as the server derives it, and was recorded with members
     (call,) = attacker.calls
     change = aggregate[0] - recorded["start"][0].astype(np.float64)
-    assert np.array_equal(call["weight_grad"], change + change + change + change)
+    assert np.array_equal(call["update"].weight_update, change + change + change + change)
     rows = load_table(tmp_path / "run" / "attacks.csv")
     assert [(row["round"], row["client"], row["status"]) for row in rows] == [
         ("1", "secagg-partition-0_partition-1_partition-2_partition-3", "ok")

@@ -210,7 +210,7 @@ def test_auditor_models_secaggplus_when_asked() -> None:
         auditor.start_round(1, dict(zip(NAMES, start, strict=True)))
         (record,) = auditor.audit_round(1, updates)
         assert record.client == "secagg-partition-0_partition-1" and record.status == "ok"
-        observed[quantization] = attacker.calls[0]["weight_grad"]
+        observed[quantization] = attacker.calls[0]["update"].weight_update
     float_sum = sum(arrays[0].astype(np.float64) - start[0] for arrays, _, _ in replies.values())
     assert np.array_equal(observed[None], float_sum)
     expected, _ = secagg_observed_sum(

@@ -69,7 +69,7 @@ def _truth(name: str, batch: int, width: int, seed: int) -> Truth:
         bias=layer.bias.detach(),
         device=torch.device("cpu"),
     )
-    factors = decompose(update.weight_grad)
+    factors = decompose(update.weight_update)
     assert factors.batch_size == batch
     tolerance = ZeroTolerance.from_noise(factors.spectrum.relative_noise, width=width)
     flat = images.reshape(batch, -1)
@@ -128,7 +128,7 @@ def test_true_directions_have_full_sparsity_matching(case) -> None:
     scales = scorer.scales(truth.directions)
     columns = truth.factors.left @ truth.directions.T
     assert torch.allclose(
-        columns @ scales, truth.update.bias_grad, atol=1e-6 * float(truth.update.bias_grad.abs().max())
+        columns @ scales, truth.update.bias_update, atol=1e-6 * float(truth.update.bias_update.abs().max())
     )
 
 

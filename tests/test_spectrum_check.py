@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack import SpearPlusPlus
+from fl_attack import LayerUpdate, SpearPlusPlus
 from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings
 from fl_attack.results.report import load_summary
 from fl_attack.results.store import ReconstructionStore
@@ -19,7 +19,7 @@ from tests.synthetic_layer import relu_layer_update
 class MustNotRun(SpearPlusPlus):
     """SPEAR++ that fails the test if it is ever asked to invert."""
 
-    def invert(self, *args: Any, **kwargs: Any) -> Any:
+    def attack(self, update: LayerUpdate[Any], /, **options: Any) -> Any:
         raise AssertionError("the attack ran on an update its spectrum rules out")
 
 

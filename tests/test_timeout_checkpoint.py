@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack import Reconstruction, SpearPlusPlus
+from fl_attack import LayerUpdate, Reconstruction, SpearPlusPlus
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings, workers
 from fl_attack.audit import checkpoint as checkpoint_module
 from fl_attack.audit.checkpoint import TEMPORARY_SUFFIX, CheckpointFile, read_checkpoint
-from fl_attack.audit.layer import LayerDelta
 from fl_attack.audit.units import attack_summary
 from fl_attack.audit.verdict import decide_verdict
 from fl_attack.progress import report_progress, reporting_to
@@ -59,7 +59,7 @@ def _partial(found: int, value: float, *, complete: bool = False) -> Reconstruct
 FIRST, SECOND = _partial(1, 0.0), _partial(2, 100.0, complete=True)  # the second claims too much
 
 
-class CheckpointingAttacker:
+class CheckpointingAttacker(LayerAttackBase):
     """Reports :data:`FIRST` then :data:`SECOND`, sets ``checkpointed``, then hangs (until killed,
     or in a thread until released).
 
@@ -71,7 +71,7 @@ class CheckpointingAttacker:
         self.checkpointed = context.Event()
         self.release = context.Event()
 
-    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
+    def attack(self, update: LayerUpdate[np.ndarray], /, **options: Any) -> Reconstruction:
         report_progress(FIRST)
         report_progress(SECOND)
         self.checkpointed.set()
@@ -165,10 +165,10 @@ def test_an_attack_killed_at_its_timeout_keeps_its_last_checkpoint(
         assert checkpoints is None  # closed: the private checkpoints are gone with the runner
 
 
-class SelfKillingAttacker:
+class SelfKillingAttacker(LayerAttackBase):
     """Reports :data:`FIRST` then :data:`SECOND`, then dies as the out-of-memory killer kills."""
 
-    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
+    def attack(self, update: LayerUpdate[np.ndarray], /, **options: Any) -> Reconstruction:
         report_progress(FIRST)
         report_progress(SECOND)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -177,9 +177,9 @@ class SelfKillingAttacker:
 
 def test_a_worker_killed_by_a_signal_keeps_its_last_checkpoint() -> None:
     rng = np.random.default_rng(0)
-    update = LayerDelta(
-        weight_delta=rng.standard_normal((6, INPUT_DIM)),
-        bias_delta=rng.standard_normal(6),
+    update = LayerUpdate(
+        weight_update=rng.standard_normal((6, INPUT_DIM)),
+        bias_update=rng.standard_normal(6),
         weight=rng.standard_normal((6, INPUT_DIM)),
         bias=rng.standard_normal(6),
     )

@@ -52,7 +52,7 @@ def _layer(batch: int = 6, width: int = 600, features: int = 200, noise: float =
     update = ObservedUpdate.from_arrays(
         weight_grad, bias_grad, weight=weight, bias=bias, device=torch.device("cpu")
     )
-    factors = decompose(update.weight_grad, batch_size=batch)
+    factors = decompose(update.weight_update, batch_size=batch)
     spectrum = factors.spectrum
     tolerance = ZeroTolerance.from_noise(spectrum.relative_noise, width=width).with_entry_noise(
         noise_std(factors.singular_values, batch_size=batch, shape=(width, features)),

@@ -211,7 +211,7 @@ def test_every_other_consistent_batch_of_a_twin_plane_is_refused_whatever_the_se
             factors=scorer.factors,
             weight=scorer.update.weight,
             bias=scorer.update.bias,
-            bias_grad=scorer.update.bias_grad,
+            bias_grad=scorer.update.bias_update,
             relative_noise=scorer.tolerance.relative_noise,
             exact=True,
             pre_activation_basis=scorer.pre_activation_basis,

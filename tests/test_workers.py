@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack import Reconstruction
+from fl_attack import LayerUpdate, Reconstruction
+from fl_attack.attacks import LayerAttackBase
 from tests.test_audit_strategy import INPUT_DIM, WIDTH
 
 
@@ -28,27 +29,28 @@ def _complete(inputs: torch.Tensor) -> Reconstruction:
     )
 
 
-class PicklableAttacker:
+class PicklableAttacker(LayerAttackBase):
     """Module-level (so picklable) attacker for the worker process: behaviour by batch size."""
 
-    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
-        if kwargs["batch_size"] == 1:
+    def attack(
+        self, update: LayerUpdate[np.ndarray], /, *, batch_size: int | None = None, **_: Any
+    ) -> Reconstruction:
+        if batch_size == 1:
             time.sleep(60.0)
-        if kwargs["batch_size"] == 2:
+        if batch_size == 2:
             raise ValueError("cannot invert")
-        if kwargs["batch_size"] == 3:
+        if batch_size == 3:
             raise MemoryError("host memory exhausted")
-        return _complete(torch.as_tensor(weight_grad[:2], dtype=torch.float64))
+        return _complete(torch.as_tensor(update.weight_update[:2], dtype=torch.float64))
 
 
 def test_process_isolation_kills_timeouts_and_recovers() -> None:
-    from fl_attack.audit.layer import LayerDelta as LayerUpdate
     from fl_attack.audit.workers import ProcessAttackRunner
 
     rng = np.random.default_rng(0)
     update = LayerUpdate(
-        weight_delta=rng.standard_normal((WIDTH, INPUT_DIM)),
-        bias_delta=rng.standard_normal(WIDTH),
+        weight_update=rng.standard_normal((WIDTH, INPUT_DIM)),
+        bias_update=rng.standard_normal(WIDTH),
         weight=rng.standard_normal((WIDTH, INPUT_DIM)),
         bias=rng.standard_normal(WIDTH),
     )
@@ -56,7 +58,7 @@ def test_process_isolation_kills_timeouts_and_recovers() -> None:
     try:
         ok = runner.run(update, batch_size=None, timeout=120.0)
         assert ok.status == "ok"
-        np.testing.assert_array_equal(ok.reconstruction.inputs.numpy(), update.weight_delta[:2])
+        np.testing.assert_array_equal(ok.reconstruction.inputs.numpy(), update.weight_update[:2])
         worker = runner._process  # pylint: disable=protected-access
 
         slow = runner.run(update, batch_size=1, timeout=0.5)
@@ -80,10 +82,10 @@ def test_process_isolation_kills_timeouts_and_recovers() -> None:
     assert runner._process is None  # pylint: disable=protected-access
 
 
-class SchedulingAttacker:
+class SchedulingAttacker(LayerAttackBase):
     """Reports the worker's scheduling policy and nice value as its 'inputs'."""
 
-    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
+    def attack(self, update: LayerUpdate[np.ndarray], /, **options: Any) -> Reconstruction:
         policy = os.sched_getscheduler(0)
         inputs = torch.tensor(
             [[float(policy), float(os.getpriority(os.PRIO_PROCESS, 0))]], dtype=torch.float64
@@ -96,11 +98,10 @@ class SchedulingAttacker:
     ("priority", "policy", "nice"), [("idle", "SCHED_IDLE", None), ("low", "SCHED_OTHER", 19)]
 )
 def test_worker_process_runs_at_the_chosen_cpu_priority(priority: str, policy: str, nice: int | None) -> None:
-    from fl_attack.audit.layer import LayerDelta
     from fl_attack.audit.workers import ProcessAttackRunner
 
-    update = LayerDelta(
-        weight_delta=np.ones((4, 3)), bias_delta=np.ones(4), weight=np.ones((4, 3)), bias=np.ones(4)
+    update = LayerUpdate(
+        weight_update=np.ones((4, 3)), bias_update=np.ones(4), weight=np.ones((4, 3)), bias=np.ones(4)
     )
     runner = ProcessAttackRunner(SchedulingAttacker(), priority=priority)
     try:
@@ -125,7 +126,7 @@ def test_unknown_worker_priority_is_refused_naming_the_choices() -> None:
         ExecutionSettings(priority="realtime")
 
 
-class BudgetSpy:
+class BudgetSpy(LayerAttackBase):
     """Records the budget each call is given."""
 
     time_budget = 7.0
@@ -133,13 +134,14 @@ class BudgetSpy:
     def __init__(self) -> None:
         self.budgets: list[Any] = []
 
-    def invert(self, weight_grad: np.ndarray, bias_grad: np.ndarray, **kwargs: Any) -> Reconstruction:
-        self.budgets.append(kwargs["budget"])
-        return _complete(torch.as_tensor(weight_grad[:2], dtype=torch.float64))
+    def attack(
+        self, update: LayerUpdate[np.ndarray], /, *, batch_size: int | None = None, budget: Any = None
+    ) -> Reconstruction:
+        self.budgets.append(budget)
+        return _complete(torch.as_tensor(update.weight_update[:2], dtype=torch.float64))
 
 
 def test_the_worker_starts_the_attacks_one_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fl_attack.audit.layer import LayerDelta
     from fl_attack.audit.workers import run_attack
     from fl_attack.pipeline.budget import budget as budget_module
     from fl_attack.pipeline.budget.budget import Budget
@@ -147,13 +149,13 @@ def test_the_worker_starts_the_attacks_one_budget(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(budget_module, "now", lambda: 50.0)
     rng = np.random.default_rng(0)
     arrays = {
-        "weight_delta": rng.standard_normal((WIDTH, INPUT_DIM)),
-        "bias_delta": rng.standard_normal(WIDTH),
+        "weight_update": rng.standard_normal((WIDTH, INPUT_DIM)),
+        "bias_update": rng.standard_normal(WIDTH),
         "weight": rng.standard_normal((WIDTH, INPUT_DIM)),
         "bias": rng.standard_normal(WIDTH),
     }
-    alone = LayerDelta(**arrays)
-    followed = LayerDelta(**arrays, next_weight_delta=rng.standard_normal((3, WIDTH)), after_layers=True)
+    alone = LayerUpdate(**arrays)
+    followed = LayerUpdate(**arrays, next_weight_update=rng.standard_normal((3, WIDTH)), after_layers=True)
     spy = BudgetSpy()
     assert run_attack(spy, alone, time_budget=4.0).status == "ok"
     assert run_attack(spy, alone).status == "ok"  # no audit budget: the attacker's own

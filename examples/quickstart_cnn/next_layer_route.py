@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_frontier import client_step  # noqa: E402
 
 from clients.ground_truth import layer_inputs  # noqa: E402
+from fl_attack import LayerUpdate  # noqa: E402
 from fl_attack.attacks.next_layer import (  # noqa: E402
-    NextLayerObservation,
     NextLayerResult,
     recover_from_next_layer,
 )
@@ -38,7 +38,7 @@ from fl_attack.evaluation.scoring_features import match_by_relative_error  # noq
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR  # noqa: E402
 
 
-def observe(batch_size: int, seed: int, lr: float) -> tuple[NextLayerObservation, np.ndarray]:
+def observe(batch_size: int, seed: int, lr: float) -> tuple[LayerUpdate[np.ndarray], np.ndarray]:
     """One client's FedSGD step as ``measure_frontier.py`` takes it; the server's view and fc1's true inputs."""
     data = load_dataset("photo-patches", split="train")
     received, net, images, _ = client_step(data, batch_size=batch_size, seed=seed, lr=lr)
@@ -46,7 +46,7 @@ def observe(batch_size: int, seed: int, lr: float) -> tuple[NextLayerObservation
     def delta(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
         return np.asarray((new.detach().double() - old.detach().double()).numpy())
 
-    observed = NextLayerObservation(
+    observed = LayerUpdate(
         weight=received.fc1.weight.detach().double().numpy(),
         bias=received.fc1.bias.detach().double().numpy(),
         weight_update=delta(net.fc1.weight, received.fc1.weight),

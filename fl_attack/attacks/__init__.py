@@ -6,9 +6,10 @@ Geiping et al., which needs the whole model and is therefore not a layer attack;
 ``cocktail-party`` is the approximate ICA attack of Kariyappa et al. (never exact).
 """
 
+from fl_attack.attacks.base import LayerAttackBase
 from fl_attack.attacks.cocktail_party import CocktailPartyAttack
 from fl_attack.attacks.inverting_gradients import InvertingGradients
-from fl_attack.attacks.registry import LayerAttack, available_attacks, get_attack, register_attack
+from fl_attack.attacks.registry import available_attacks, get_attack, register_attack
 from fl_attack.attacks.spear import GradientInversionAttack
 from fl_attack.attacks.spear_variants import Spear, SpearPlusPlus
 
@@ -20,7 +21,7 @@ __all__ = [
     "CocktailPartyAttack",
     "GradientInversionAttack",
     "InvertingGradients",
-    "LayerAttack",
+    "LayerAttackBase",
     "Spear",
     "SpearPlusPlus",
     "available_attacks",

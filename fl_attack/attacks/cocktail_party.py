@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 
+from fl_attack.attacks.base import LayerAttackBase
 from fl_attack.attacks.fast_ica import NONLINEARITIES, IcaResult, principal_subspace, symmetric_fastica
 from fl_attack.pipeline.budget.budget import Budget, Deadline
 from fl_attack.pipeline.spectrum.decompose import estimate_batch_size
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.types import ArrayLike, ObservedUpdate
+from fl_attack.types import ArrayLike, LayerUpdate, ObservedUpdate
 from fl_attack.validation import check_batch_size, check_time_budget, resolve_device
 
 #: Which side ICA unmixes (see the module docstring).
@@ -60,7 +61,7 @@ class _Unmixed:
     side: str
 
 
-class CocktailPartyAttack:
+class CocktailPartyAttack(LayerAttackBase):
     """Approximate inputs of a linear layer's batch by independent component analysis.
 
     Parameters
@@ -112,13 +113,11 @@ class CocktailPartyAttack:
         self.time_budget = check_time_budget(time_budget)
         self.device = resolve_device(device)
 
-    def invert(
+    def attack(
         self,
-        weight_grad: ArrayLike,
-        bias_grad: ArrayLike,
+        observed: LayerUpdate[ArrayLike],
+        /,
         *,
-        weight: ArrayLike,
-        bias: ArrayLike,
         batch_size: int | None = None,
         budget: Budget | None = None,
     ) -> Reconstruction:
@@ -126,10 +125,9 @@ class CocktailPartyAttack:
 
         Parameters
         ----------
-        weight_grad, bias_grad
-            ``(m, n)`` and ``(m,)``: the update (any scale and sign).
-        weight, bias
-            The layer's parameters (validated for shape; ICA does not use them).
+        observed
+            The layer's update (any scale and sign) and its parameters (validated for shape; ICA
+            does not use them); none of its optional parts (:attr:`uses`).
         batch_size
             The number of sources; None estimates it from the singular-value gap.
         budget
@@ -155,10 +153,8 @@ class CocktailPartyAttack:
         budget = Budget.start(self.time_budget) if budget is None else budget
         deadline = budget.deadline
         check_batch_size(batch_size)
-        update = ObservedUpdate.from_arrays(
-            weight_grad, bias_grad, weight=weight, bias=bias, device=self.device
-        )
-        dw, db = update.weight_grad, update.bias_grad
+        update = ObservedUpdate.from_update(observed, device=self.device)
+        dw, db = update.weight_update, update.bias_update
         m, n = dw.shape
         if batch_size is not None and batch_size > min(m, n):
             raise ValueError(f"batch size {batch_size} is not in [1, min(m, n) = {min(m, n)}]")

@@ -39,8 +39,9 @@ import numpy as np
 import torch
 
 from fl_attack.pipeline.budget.budget import Deadline
+from fl_attack.types import LayerUpdate
 
-__all__ = ["NextLayerObservation", "NextLayerResult", "RecoveredSample", "recover_from_next_layer"]
+__all__ = ["NextLayerResult", "RecoveredSample", "checked_next_layer", "recover_from_next_layer"]
 
 #: Pattern-iteration results with a relative residual outside ``U2`` above this are dropped.
 MAX_RESIDUAL = 3e-3
@@ -57,43 +58,32 @@ ZERO_THRESHOLD = 1e-3
 DUPLICATE_COSINE = 0.999
 
 
-@dataclass(frozen=True)
-class NextLayerObservation:
-    """What the server holds: the attacked layer, its update, and the next layer's update.
+def checked_next_layer(observed: LayerUpdate[np.ndarray]) -> np.ndarray:
+    """The ``(k, m)`` next-layer update of ``observed``, once its arrays are checked for the route.
 
-    Attributes
-    ----------
-    weight, bias
-        The attacked layer's global ``(m, n)`` weight and ``(m,)`` bias.
-    weight_update, bias_update
-        Its observed update (any common nonzero multiple of the batch's gradient).
-    next_weight_update
-        The next linear layer's ``(k, m)`` weight update, from the same step.
+    Raises
+    ------
+    ValueError
+        If it has no next-layer update, an array has the wrong shape, or holds NaN or Inf entries.
     """
-
-    weight: np.ndarray
-    bias: np.ndarray
-    weight_update: np.ndarray
-    bias_update: np.ndarray
-    next_weight_update: np.ndarray
-
-    def __post_init__(self) -> None:
-        m, n = self.weight.shape
-        expected = {
-            "bias": (m,),
-            "weight_update": (m, n),
-            "bias_update": (m,),
-        }
-        for name, shape in expected.items():
-            if getattr(self, name).shape != shape:
-                raise ValueError(f"{name} has shape {getattr(self, name).shape}, expected {shape}")
-        if self.next_weight_update.ndim != 2 or self.next_weight_update.shape[1] != m:
-            raise ValueError(
-                f"next_weight_update has shape {self.next_weight_update.shape}, expected (k, {m})"
-            )
-        for name in ("weight", "bias", "weight_update", "bias_update", "next_weight_update"):
-            if not np.isfinite(getattr(self, name)).all():
-                raise ValueError(f"{name} contains NaN or Inf entries")
+    following = observed.next_weight_update
+    if following is None:
+        raise ValueError("the route needs the next layer's update: next_weight_update is None")
+    m, n = observed.weight.shape
+    expected = {
+        "bias": (m,),
+        "weight_update": (m, n),
+        "bias_update": (m,),
+    }
+    for name, shape in expected.items():
+        if getattr(observed, name).shape != shape:
+            raise ValueError(f"{name} has shape {getattr(observed, name).shape}, expected {shape}")
+    if following.ndim != 2 or following.shape[1] != m:
+        raise ValueError(f"next_weight_update has shape {following.shape}, expected (k, {m})")
+    for name in ("weight", "bias", "weight_update", "bias_update", "next_weight_update"):
+        if not np.isfinite(getattr(observed, name)).all():
+            raise ValueError(f"{name} contains NaN or Inf entries")
+    return following
 
 
 @dataclass(frozen=True)
@@ -273,7 +263,7 @@ def _random_starts(
 
 
 def recover_from_next_layer(
-    observed: NextLayerObservation,
+    observed: LayerUpdate[np.ndarray],
     *,
     batch_size: int,
     time_budget: float,
@@ -316,9 +306,11 @@ def recover_from_next_layer(
     Raises
     ------
     ValueError
-        If ``batch_size`` is not below the layer's width and the next layer's output count, or
-        ``starts``, ``time_budget`` or ``max_rounds`` is not positive.
+        If ``observed`` fails :func:`checked_next_layer`, ``batch_size`` is not below the layer's
+        width and the next layer's output count, or ``starts``, ``time_budget`` or ``max_rounds``
+        is not positive.
     """
+    next_weight_update = checked_next_layer(observed)
     m = observed.weight.shape[0]
     if not 1 <= batch_size < m:
         raise ValueError(f"batch_size must be in [1, {m - 1}] for a layer of width {m}, got {batch_size}")
@@ -327,7 +319,7 @@ def recover_from_next_layer(
             f"starts, time_budget and max_rounds must be positive and min_rounds non-negative, got {starts}, "
             f"{time_budget}, {max_rounds}, {min_rounds}"
         )
-    following = observed.next_weight_update.shape[0]
+    following = next_weight_update.shape[0]
     if batch_size >= following:
         raise ValueError(
             f"batch_size {batch_size} is not below the next layer's {following} outputs: its update's "
@@ -335,7 +327,7 @@ def recover_from_next_layer(
         )
     rng = np.random.default_rng(seed)
     left, basis = top_factors(observed.weight_update, batch_size)
-    _, next_rows = top_factors(observed.next_weight_update, batch_size)
+    _, next_rows = top_factors(next_weight_update, batch_size)
     outside = np.eye(m) - next_rows @ next_rows.T
     augmented_update = np.hstack([observed.weight_update, observed.bias_update[:, None]])
     augmented = np.linalg.svd(augmented_update, full_matrices=False)[2][:batch_size].T

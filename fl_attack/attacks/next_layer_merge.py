@@ -37,9 +37,9 @@ from fl_attack.pipeline.selection.select import SparsityMatchingScorer
 from fl_attack.pipeline.selection.self_check import self_check
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.types import ObservedUpdate
+from fl_attack.types import LayerUpdate, ObservedUpdate
 
-from .next_layer import DUPLICATE_COSINE, NextLayerObservation, NextLayerResult, recover_from_next_layer
+from .next_layer import DUPLICATE_COSINE, NextLayerResult, checked_next_layer, recover_from_next_layer
 
 __all__ = [
     "CONFIDENT_MATCHING",
@@ -80,7 +80,7 @@ def route_budget(budget: Budget | None) -> float:
 
 
 def pattern_agreement(
-    inputs: np.ndarray, *, observed: NextLayerObservation, left: np.ndarray, relative_noise: float
+    inputs: np.ndarray, *, observed: LayerUpdate[np.ndarray], left: np.ndarray, relative_noise: float
 ) -> np.ndarray:
     """Per-row sparsity matching (SPEAR Def. 4.1) of ``(k, n)`` inputs against the update.
 
@@ -102,7 +102,7 @@ def pattern_agreement(
 
 
 def batch_matching(
-    rows: np.ndarray, *, observed: NextLayerObservation, factors: LowRankFactors, relative_noise: float
+    rows: np.ndarray, *, observed: LayerUpdate[np.ndarray], factors: LowRankFactors, relative_noise: float
 ) -> np.ndarray:
     """Per-sample sparsity matching of a whole batch of ``b`` rows, as SPEAR++ scores its own.
 
@@ -111,13 +111,7 @@ def batch_matching(
     with SPEAR++'s zero tolerance. Meaningful only when every row is a sample: one wrong row
     changes every direction.
     """
-    update = ObservedUpdate.from_arrays(
-        observed.weight_update,
-        observed.bias_update,
-        weight=observed.weight,
-        bias=observed.bias,
-        device=torch.device("cpu"),
-    )
+    update = ObservedUpdate.from_update(observed, device=torch.device("cpu"))
     tolerance = ZeroTolerance.from_noise(relative_noise, width=update.width, factor=ZERO_TOLERANCE_FACTOR)
     scorer = SparsityMatchingScorer(update, factors, tolerance)
     inverse = torch.from_numpy(rows) @ torch.linalg.pinv(factors.right)
@@ -191,7 +185,7 @@ def merged_rows(
 
 def complete_with_next_layer(
     reconstruction: Reconstruction,
-    observed: NextLayerObservation,
+    observed: LayerUpdate[np.ndarray],
     *,
     budget: Budget | None,
     seed: int = 0,
@@ -222,9 +216,14 @@ def complete_with_next_layer(
         ``next_layer_rounds`` and ``next_layer_seconds``. ``confidence`` is the exact attack's
         for its rows and :func:`pattern_agreement` for the route's; for a complete batch, every
         row's :func:`batch_matching` (what SPEAR++ reports for its own complete batches).
+
+    Raises
+    ------
+    ValueError
+        If ``observed`` fails :func:`fl_attack.attacks.next_layer.checked_next_layer`.
     """
     b = reconstruction.batch_size
-    m, following = observed.weight.shape[0], observed.next_weight_update.shape[0]
+    m, following = observed.weight.shape[0], checked_next_layer(observed).shape[0]
     if reconstruction.complete or reconstruction.self_check is None or not 1 < b < min(m, following):
         return reconstruction
     seconds = route_budget(budget)

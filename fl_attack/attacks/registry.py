@@ -3,34 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from fl_attack.pipeline.budget.budget import Budget
-from fl_attack.reconstruction import Reconstruction
-from fl_attack.types import ArrayLike
-
-
-@runtime_checkable
-class LayerAttack(Protocol):
-    """An attack on one linear layer's update, as the honest-but-curious server runs it.
-
-    The attacker observes the update of the layer's weight and bias and the parameters at
-    which it was taken, and nothing else; it returns the layer's inputs.
-    """
-
-    def invert(
-        self,
-        weight_grad: ArrayLike,
-        bias_grad: ArrayLike,
-        *,
-        weight: ArrayLike,
-        bias: ArrayLike,
-        batch_size: int | None = None,
-        budget: Budget | None = None,
-    ) -> Reconstruction:
-        """Recover the batch of inputs behind one observed update."""
-        ...
-
+from fl_attack.types import LayerAttack
 
 _ATTACKS: dict[str, Callable[..., LayerAttack]] = {}
 

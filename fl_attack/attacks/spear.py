@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from fl_attack.attacks.base import LayerAttackBase
 from fl_attack.pipeline.budget.budget import Budget, Deadline
 from fl_attack.pipeline.budget.out_of_time import decompose_in_time
 from fl_attack.pipeline.local_training.drift import drift_self_check, polish_for, scorer_for
@@ -56,7 +57,7 @@ from fl_attack.pipeline.side_information.next_layer import (
 from fl_attack.pipeline.side_information.output_layer import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors, noise_std, weakest_sample_margins
 from fl_attack.reconstruction import Reconstruction
-from fl_attack.types import ArrayLike, ObservedUpdate, resolve_device
+from fl_attack.types import ArrayLike, LayerUpdate, ObservedUpdate, resolve_device
 from fl_attack.validation import check_batch_size, check_local_steps, check_time_budget
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class SearchState:
     deflation: Deflation | None = None  # samples certified by the next layer's update
 
 
-class GradientInversionAttack(ABC):
+class GradientInversionAttack(LayerAttackBase):
     """Shared pipeline: decompose, propose directions, filter, select, rescale.
 
     Subclasses only say how proposals for the columns of the disaggregation matrix are made.
@@ -150,6 +151,7 @@ class GradientInversionAttack(ABC):
     """
 
     name = "attack"
+    uses = frozenset({"head_weight", "next_weight_update", "local_steps", "noise_level"})
 
     def __init__(
         self,
@@ -184,77 +186,26 @@ class GradientInversionAttack(ABC):
         self.progress = progress
         self.local_steps = local_steps
 
-    def invert(
+    def attack(
         self,
-        weight_grad: ArrayLike,
-        bias_grad: ArrayLike,
+        observed: LayerUpdate[ArrayLike],
+        /,
         *,
-        weight: ArrayLike,
-        bias: ArrayLike,
         batch_size: int | None = None,
         budget: Budget | None = None,
-        noise_level: float | None = None,
-        head_weight: ArrayLike | None = None,
-        local_steps: int | None = None,
-        next_weight_grad: ArrayLike | None = None,
     ) -> Reconstruction:
-        """Recover the inputs of the batch that produced a first-layer update.
-
-        Parameters
-        ----------
-        weight_grad
-            ``(m, n)`` gradient of the loss w.r.t. the layer's weight, or any update
-            proportional to it (sign and scale do not matter).
-        bias_grad
-            ``(m,)`` gradient w.r.t. the bias, with the same proportionality.
-        weight, bias
-            The layer's parameters at which the gradient was taken.
-        batch_size
-            The batch size, if known; otherwise estimated from the singular-value gap.
-        budget
-            The attack's time budget, already started (:meth:`fl_attack.pipeline.budget.budget.Budget.start`; an audit starts it
-            once per attack); None: ``Budget.start(time_budget)`` with the attack's own
-            ``time_budget``, from this call.
-        noise_level
-            Overrides the attack's known relative noise level for this call.
-        head_weight
-            ``(c, m)`` global weight of the output layer fed directly by this layer's ReLU: adds
-            proposals guided by its classes (:mod:`fl_attack.pipeline.side_information.output_layer`) under the
-            same deadline, filters, selection and self-check; one that does not fit costs time only.
-        local_steps
-            Full-batch local SGD steps (FedAvg) if known: above 1 the update must be ``W_E - W_0``
-            itself, matched against both ends (:mod:`fl_attack.pipeline.local_training.drift`); None: the
-            attack's own ``local_steps``.
-        next_weight_grad
-            ``(k, m)`` gradient (or one-step update) of the linear layer fed by this layer's ReLU,
-            from the same step: each direction found is certified as one sample through it, and
-            later rounds search past those (:mod:`fl_attack.pipeline.side_information.next_layer`; clean updates only).
-
-        Returns
-        -------
-        Reconstruction
-            ``inputs`` of shape ``(b, n)``; ``complete`` is False when fewer than ``b``
-            directions were found, and then placeholder rows have confidence 0.
-
-        Raises
-        ------
-        ValueError
-            On malformed input (shapes, NaN/Inf, all-zero gradient, a ``head_weight`` not ``(c, m)``,
-            ``c >= 1``, a ``next_weight_grad`` not ``(k, m)``) or a batch size that no exact attack
-            can invert (``b >= min(m, n)``).
-        TypeError
-            If ``head_weight`` or ``next_weight_grad`` is not a real numpy array or torch tensor.
-        """
+        """Recover the inputs of the batch behind the ``observed`` update (:meth:`invert` on its
+        arrays); reads all of its optional parts (:attr:`uses`)."""
         budget = Budget.start(self.time_budget) if budget is None else budget
         check_batch_size(batch_size)
         device = resolve_device(self.device)
-        update = ObservedUpdate.from_arrays(weight_grad, bias_grad, weight=weight, bias=bias, device=device)
-        following = next_layer_update(next_weight_grad, width=update.width, device=device)
-        local_steps = self.local_steps if local_steps is None else local_steps
+        update = ObservedUpdate.from_update(observed, device=device)
+        following = next_layer_update(observed.next_weight_update, width=update.width, device=device)
+        local_steps = self.local_steps if observed.local_steps is None else observed.local_steps
         factors = decompose_in_time(update, name=self.name, batch_size=batch_size, budget=budget)
         if isinstance(factors, Reconstruction):
             return factors  # the budget ran out in the decomposition
-        noise = noise_level if noise_level is not None else self.noise_level
+        noise = observed.noise_level if observed.noise_level is not None else self.noise_level
         decay_scale = 0.0
         if noise is None and factors.spectrum.relative_noise > DECAY_CHECK_ABOVE:
             cleaned = self._without_weight_decay(update, factors, batch_size=batch_size, budget=budget)
@@ -307,6 +258,7 @@ class GradientInversionAttack(ABC):
             weak_min_zeros=weak_min_zeros,
             cos_tolerance=duplicate_cos_tolerance(relative_noise),
         )
+        head_weight = observed.head_weight
         prior = None if head_weight is None else HeadPrior.from_head_weight(head_weight, width=m, rows=active)
         generator = torch.Generator().manual_seed(self.seed if self.seed is not None else torch.seed())
         state = SearchState(
@@ -343,7 +295,7 @@ class GradientInversionAttack(ABC):
             factors=factors,
             weight=update.weight,
             bias=update.bias,
-            bias_grad=update.bias_grad,
+            bias_grad=update.bias_update,
             relative_noise=relative_noise,
             exact=not noisy,
             found=selection.found,

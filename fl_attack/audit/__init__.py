@@ -9,23 +9,21 @@ converts replies into :class:`ClientUpdate` objects.
 """
 
 from fl_attack.audit.auditor import Auditor
-from fl_attack.audit.layer import LayerDelta, LayerKeys, LayerNotFoundError, select_layer
+from fl_attack.audit.layer import LayerKeys, LayerNotFoundError, select_layer
 from fl_attack.audit.observations import ClientIdentity, ClientUpdate, GroundTruth
 from fl_attack.audit.settings import AttackSettings, ExecutionSettings, SamplingSettings, SecAggSettings
 from fl_attack.audit.signature import UpdateSignature, update_signature
 from fl_attack.audit.verdict import Verdict, decide_verdict, not_applicable_reason
-from fl_attack.audit.workers import Attacker, AttackResult, make_runner
+from fl_attack.audit.workers import AttackResult, make_runner
 
 __all__ = [
     "AttackResult",
     "AttackSettings",
-    "Attacker",
     "Auditor",
     "ClientIdentity",
     "ClientUpdate",
     "ExecutionSettings",
     "GroundTruth",
-    "LayerDelta",
     "LayerKeys",
     "LayerNotFoundError",
     "SamplingSettings",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fl_attack.results.store import AttackRecord, ReconstructionStore
+from fl_attack.types import LayerAttack, LayerUpdate
 from fl_attack.vocabulary import (
     STATUS_DROPPED,
     STATUS_ERROR,
@@ -25,7 +26,7 @@ from fl_attack.vocabulary import (
 )
 
 from .fallback import build_fallback
-from .layer import LayerDelta, LayerKeys, NamedArrays, SentLayer, select_layer
+from .layer import LayerKeys, NamedArrays, SentLayer, select_layer
 from .memory import release_freed_memory
 from .observations import ClientIdentity, ClientUpdate
 from .pool import AttackPool
@@ -39,9 +40,11 @@ from .spill import SPILL_FOLDER, QueueSpill
 from .thread_runners import RunnerPerThread
 from .units import Prepared, attack_summary, total_examples, unit_name
 from .verdict import Verdict, decide_verdict
-from .workers import Attacker, AttackResult, AttackRunner
+from .workers import AttackResult, AttackRunner
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from fl_attack.evaluation.scoring import ReconstructionScorer
 
 logger = logging.getLogger(__name__)
@@ -52,9 +55,9 @@ class Auditor:
 
     Parameters
     ----------
-    attacker : Attacker
-        Gradient-inversion attack with ``invert(weight_grad, bias_grad, *, weight, bias,
-        batch_size, budget)`` (e.g. ``fl_attack.SpearPlusPlus``).
+    attacker : LayerAttack
+        The gradient-inversion attack run on each update (e.g. ``fl_attack.SpearPlusPlus``):
+        ``attack(update, batch_size=..., budget=...)`` (:class:`fl_attack.types.LayerAttack`).
     store : ReconstructionStore or None (default: None)
         Where reconstructions, verdicts and quality are written; None keeps them in
         :attr:`records` only. With a store, records keep no arrays (bounded memory).
@@ -78,7 +81,7 @@ class Auditor:
 
     def __init__(
         self,
-        attacker: Attacker,
+        attacker: LayerAttack,
         *,
         store: ReconstructionStore | None = None,
         scorer: ReconstructionScorer | None = None,
@@ -304,7 +307,7 @@ class Auditor:
         batch_size = None if self.attack.batch_size is None else self.attack.batch_size * len(members)
         started_at = time.time()
         signature: Callable[[], UpdateSignature] = functools.cache(
-            functools.partial(update_signature, delta.weight_delta)
+            functools.partial(update_signature, delta.weight_update)
         )  # computed once, and only when needed
         ruled_out = self._ruled_out(delta, members, signature) if batch_size is None else None
         if ruled_out is not None:
@@ -350,7 +353,10 @@ class Auditor:
         return self.keeper.finished_record(record_fields, result, members, details)
 
     def _ruled_out(
-        self, delta: LayerDelta, members: list[ClientUpdate], signature: Callable[[], UpdateSignature]
+        self,
+        delta: LayerUpdate[np.ndarray],
+        members: list[ClientUpdate],
+        signature: Callable[[], UpdateSignature],
     ) -> SpectrumRuling | None:
         """What the spectrum says of an update it rules out (:mod:`.spectrum_check`), or None."""
         if not self._spectrum_guided:
@@ -370,7 +376,7 @@ class Auditor:
         self,
         result: AttackResult,
         summary: Mapping[str, Any],
-        delta: LayerDelta,
+        delta: LayerUpdate[np.ndarray],
         members: list[ClientUpdate],
         signature: Callable[[], UpdateSignature],
     ) -> Verdict:
@@ -380,7 +386,7 @@ class Auditor:
             error=result.error,
             attack=summary,
             signature=signature,
-            magnitude_concentration=magnitude_concentration(delta.weight_delta),
+            magnitude_concentration=magnitude_concentration(delta.weight_update),
             input_space=self.layer.input_space if self.layer else None,
             train_mode=modes.pop() if len(modes) == 1 else None,
             time_budget=self.attack.time_budget,

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fl_attack.results.store import AttackRecord
+from fl_attack.types import LayerAttack
 from fl_attack.vocabulary import (
     STATUS_ERROR,
     STATUS_NOT_RUN,
@@ -39,7 +40,7 @@ from .records import RecordKeeper
 from .settings import AttackSettings, ExecutionSettings
 from .thread_runners import RunnerPerThread
 from .units import Prepared, attack_summary, total_examples, unit_name
-from .workers import Attacker, AttackResult, AttackRunner
+from .workers import AttackResult, AttackRunner
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,9 @@ def build_fallback(
     Parameters
     ----------
     settings : AttackSettings
-        Its ``fallback`` (``"cocktail-party"``, another registered attack's name, an object with
-        ``invert``, or ``None`` / ``""`` / ``"none"`` for no fallback), and what every attack is
-        told and allowed.
+        Its ``fallback`` (``"cocktail-party"``, another registered attack's name, an attack
+        object (:class:`fl_attack.types.LayerAttack`), or ``None`` / ``""`` / ``"none"`` for no
+        fallback), and what every attack is told and allowed.
     seed : int
         Seeds a fallback built by name.
     execution : ExecutionSettings
@@ -74,7 +75,7 @@ def build_fallback(
         On a name that is not a registered attack (the message lists them).
     """
     fallback = settings.fallback
-    attacker: Attacker | None
+    attacker: LayerAttack | None
     if fallback is None or (isinstance(fallback, str) and fallback.strip().lower() in NO_FALLBACK):
         attacker, name = None, ""
     elif isinstance(fallback, str):
@@ -92,7 +93,7 @@ class AttackFallback:
 
     Parameters
     ----------
-    attacker : Attacker or None
+    attacker : LayerAttack or None
         The fallback attack; None disables the fallback (:meth:`run` does nothing).
     name : str
         Its name, written to the record's ``attack`` summary.
@@ -106,7 +107,7 @@ class AttackFallback:
 
     def __init__(
         self,
-        attacker: Attacker | None,
+        attacker: LayerAttack | None,
         *,
         name: str,
         settings: AttackSettings,
@@ -133,8 +134,8 @@ class AttackFallback:
                 "the update's spectrum shows no batch of per-sample gradients (see the verdict), so there "
                 "are no sources to unmix"
             )
-        weight_delta = prepared.delta.weight_delta
-        if not np.any(weight_delta):
+        weight_update = prepared.delta.weight_update
+        if not np.any(weight_update):
             return "the update of the attacked layer is zero"
         return None
 
@@ -147,7 +148,7 @@ class AttackFallback:
         reason = self.skip_reason(prepared, primary)
         if reason is not None:
             return reason
-        m, n = prepared.delta.weight_delta.shape
+        m, n = prepared.delta.weight_update.shape
         sources = self.batch_size(prepared, primary)
         if sources is not None and sources > min(m, n):
             return (

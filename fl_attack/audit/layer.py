@@ -16,6 +16,7 @@ import numpy as np
 
 from fl_attack.simulate.opacus_keys import OPACUS_PREFIX as OPACUS_PREFIX
 from fl_attack.simulate.opacus_keys import canonical_key as canonical_key
+from fl_attack.types import LayerUpdate
 from fl_attack.vocabulary import INPUT_SPACE_FEATURES, INPUT_SPACE_INPUTS
 
 #: Named arrays of a model, in the model's order.
@@ -60,11 +61,11 @@ class LayerKeys:
         Key of the output layer's ``(c, m)`` weight when it directly follows the layer (the
         next array after the layer's bias, ``c >= 1`` outputs, and the model's last weight:
         a one-hidden-layer model); None otherwise. Its global value guides the exact attack
-        (``head_weight=`` of :meth:`fl_attack.SpearPlusPlus.invert`).
+        (:attr:`fl_attack.LayerUpdate.head_weight`).
     following : str or None
         Key of the next linear layer's ``(k, m)`` weight when it directly follows the layer
         (the next array after the layer's bias); None otherwise. Its update lets the exact attack
-        certify samples (``next_weight_grad=`` of :meth:`fl_attack.SpearPlusPlus.invert`) and, when
+        certify samples (:attr:`fl_attack.LayerUpdate.next_weight_update`) and, when
         layers precede the layer, the audit run the next-layer route
         (:mod:`fl_attack.audit.next_layer_stage`), which needs inputs with exact zeros (ReLU
         features), not a model's raw inputs.
@@ -267,50 +268,15 @@ def following_weight(arrays: NamedArrays, layer: LayerKeys) -> np.ndarray | None
     return np.array(arrays[keys[layer.following]], dtype=np.float64, copy=True)
 
 
-@dataclass(frozen=True)
-class LayerDelta:
-    """A client's change of the attacked layer and the global layer it started from (float64 numpy).
-
-    This is what the server observes before any validation. ``head_weight`` is the global
-    ``(c, m)`` weight of the output layer when it directly follows the attacked layer
-    (:attr:`LayerKeys.head`), else None. ``next_weight_delta`` is the client's change of the
-    linear layer that directly follows (:attr:`LayerKeys.following`), else None. ``after_layers``
-    says that layers precede the attacked one (its inputs are ReLU features: the next-layer route
-    applies, :mod:`fl_attack.audit.next_layer_stage`).
-    """
-
-    weight_delta: np.ndarray
-    bias_delta: np.ndarray
-    weight: np.ndarray
-    bias: np.ndarray
-    head_weight: np.ndarray | None = None
-    next_weight_delta: np.ndarray | None = None
-    after_layers: bool = False
-
-    def __add__(self, other: LayerDelta) -> LayerDelta:
-        """The sum of two clients' changes of the same global layer (secure aggregation)."""
-        return LayerDelta(
-            weight_delta=self.weight_delta + other.weight_delta,
-            bias_delta=self.bias_delta + other.bias_delta,
-            weight=self.weight,
-            bias=self.bias,
-            head_weight=self.head_weight,
-            next_weight_delta=None
-            if self.next_weight_delta is None or other.next_weight_delta is None
-            else self.next_weight_delta + other.next_weight_delta,
-            after_layers=self.after_layers,
-        )
-
-
 @dataclass(eq=False)
 class SentLayer:
     """A client's attacked layer as it sent it, and the global layer of its round: an update not
     yet subtracted.
 
-    A queued attack keeps this instead of a :class:`LayerDelta`: the client's float32 arrays take
+    A queued attack keeps this instead of a :class:`fl_attack.LayerUpdate`: the client's float32 arrays take
     half the memory of their float64 difference, and the global arrays are shared by all the
     round's updates. While it waits, its weight may move to a file (:meth:`spill`); :meth:`take`
-    gives the exact :class:`LayerDelta` of :func:`layer_delta` and removes that file.
+    gives the exact :class:`fl_attack.LayerUpdate` of :func:`layer_delta` and removes that file.
 
     Attributes
     ----------
@@ -320,12 +286,12 @@ class SentLayer:
     global_weight, global_bias : numpy.ndarray
         The float64 global layer of the round.
     head_weight : numpy.ndarray or None
-        The global head weight (:attr:`LayerDelta.head_weight`).
+        The global head weight (:attr:`fl_attack.LayerUpdate.head_weight`).
     next_weight, global_next_weight : numpy.ndarray or None
         The following linear layer's weight as the client sent it, and its global value
         (:attr:`LayerKeys.following`; never spilled); None without one.
     after_layers : bool
-        Whether layers precede the attacked one (:attr:`LayerDelta.after_layers`).
+        Whether layers precede the attacked one (:attr:`fl_attack.LayerUpdate.after_layers`).
     """
 
     weight: np.ndarray
@@ -340,15 +306,15 @@ class SentLayer:
     _file: Path | None = field(default=None, repr=False)
     _taken: bool = field(default=False, repr=False)
 
-    def delta(self) -> LayerDelta:
+    def delta(self) -> LayerUpdate[np.ndarray]:
         """The float64 difference, bit for bit what :func:`layer_delta` returns for the same arrays."""
-        return LayerDelta(
-            weight_delta=np.asarray(self.weight, dtype=np.float64) - self.global_weight,
-            bias_delta=np.asarray(self.bias, dtype=np.float64) - self.global_bias,
+        return LayerUpdate(
+            weight_update=np.asarray(self.weight, dtype=np.float64) - self.global_weight,
+            bias_update=np.asarray(self.bias, dtype=np.float64) - self.global_bias,
             weight=self.global_weight,
             bias=self.global_bias,
             head_weight=self.head_weight,
-            next_weight_delta=None
+            next_weight_update=None
             if self.next_weight is None or self.global_next_weight is None
             else np.asarray(self.next_weight, dtype=np.float64) - self.global_next_weight,
             after_layers=self.after_layers,
@@ -382,7 +348,7 @@ class SentLayer:
             self._file = path
             return True
 
-    def take(self) -> LayerDelta:
+    def take(self) -> LayerUpdate[np.ndarray]:
         """The float64 update for the attack that starts now; the file, if any, is removed."""
         with self._lock:
             self._taken = True
@@ -463,7 +429,7 @@ def layer_delta(
     layer: LayerKeys,
     weight: np.ndarray,
     bias: np.ndarray,
-) -> LayerDelta:
+) -> LayerUpdate[np.ndarray]:
     """Difference between a client's layer and the global layer it started from.
 
     The subtraction is done in float64, where the difference of two float32 values is

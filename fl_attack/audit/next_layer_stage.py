@@ -2,7 +2,7 @@
 
 For a layer whose inputs are ReLU features (layers precede it) and that is directly followed
 by another linear layer, one client's update carries that layer's change too
-(:attr:`fl_attack.audit.layer.LayerDelta.next_weight_delta`). The exact attack then gets
+(:attr:`fl_attack.types.LayerUpdate.next_weight_update`). The exact attack then gets
 :meth:`fl_attack.pipeline.budget.budget.Budget.exact_attack_share` of the attack's one budget;
 when it did not recover the batch whole, :func:`with_next_layer` runs
 :func:`fl_attack.attacks.next_layer_merge.complete_with_next_layer` on it, in the same worker,
@@ -22,14 +22,13 @@ import numpy as np
 
 from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.reconstruction import Reconstruction
-
-from .layer import LayerDelta
+from fl_attack.types import LayerUpdate
 
 logger = logging.getLogger(__name__)
 
 
 def with_next_layer(
-    reconstruction: Any, update: LayerDelta, *, budget: Budget | None, seed: int | None
+    reconstruction: Any, update: LayerUpdate[np.ndarray], *, budget: Budget | None, seed: int | None
 ) -> Any:
     """``reconstruction`` completed by the next-layer route where it applies, else unchanged.
 
@@ -41,7 +40,7 @@ def with_next_layer(
     route leaves the exact attack's result as it was, with ``next_layer_error`` in its
     statistics.
     """
-    following = update.next_weight_delta
+    following = update.next_weight_update
     if (
         following is None
         or not update.after_layers
@@ -51,19 +50,11 @@ def with_next_layer(
         or not np.isfinite(following).all()
     ):
         return reconstruction
-    from fl_attack.attacks.next_layer import NextLayerObservation  # the attacks: only when needed
-    from fl_attack.attacks.next_layer_merge import complete_with_next_layer
+    from fl_attack.attacks.next_layer_merge import complete_with_next_layer  # the attacks: only when needed
 
     try:
-        observed = NextLayerObservation(
-            weight=update.weight,
-            bias=update.bias,
-            weight_update=update.weight_delta,
-            bias_update=update.bias_delta,
-            next_weight_update=following,
-        )
         return complete_with_next_layer(
-            reconstruction, observed, budget=budget, seed=0 if seed is None else seed
+            reconstruction, update, budget=budget, seed=0 if seed is None else seed
         )
     except (ValueError, ArithmeticError, np.linalg.LinAlgError, RuntimeError) as error:
         # the route is an extra: its failure never costs the exact attack's result

@@ -118,9 +118,9 @@ def prepare_unit(
         return Prepared(server_round=server_round, members=kept, update=sent[0])
     deltas = [each.delta() for each in sent]
     delta = observed_sum(deltas, members, quantization=quantization, seed=(seed, server_round))
-    if not (np.isfinite(delta.weight_delta).all() and np.isfinite(delta.bias_delta).all()):
+    if not (np.isfinite(delta.weight_update).all() and np.isfinite(delta.bias_update).all()):
         return NON_FINITE_UPDATE
     # attackers that take it get the head; one client's update keeps the next layer's (a sum does not)
-    following = deltas[0].next_weight_delta if len(deltas) == 1 and quantization is None else None
-    delta = dataclasses.replace(delta, head_weight=global_layer[2], next_weight_delta=following)
+    following = deltas[0].next_weight_update if len(deltas) == 1 and quantization is None else None
+    delta = dataclasses.replace(delta, head_weight=global_layer[2], next_weight_update=following)
     return Prepared(server_round=server_round, members=kept, update=delta)

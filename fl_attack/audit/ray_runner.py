@@ -12,17 +12,19 @@ import time
 import traceback
 from typing import Any
 
+import numpy as np
+
+from fl_attack.types import LayerAttack, LayerUpdate
 from fl_attack.vocabulary import STATUS_ERROR, STATUS_KILLED, STATUS_OK, STATUS_OUT_OF_MEMORY
 
-from .layer import LayerDelta
-from .workers import Attacker, AttackResult, AttackRunner, _invert, _success, _timed_out, is_out_of_memory
+from .workers import AttackResult, AttackRunner, _invert, _success, _timed_out, is_out_of_memory
 
 #: Seconds ``ray.init`` may take before the audit gives up on Ray (it must never hang a run).
 RAY_START_TIMEOUT = 60.0
 
 
 def _remote_invert(
-    attacker: Attacker, update: LayerDelta, batch_size: int | None, time_budget: float | None
+    attacker: LayerAttack, update: LayerUpdate[np.ndarray], batch_size: int | None, time_budget: float | None
 ) -> tuple[str, Any, str | None]:
     """The task body: never raises, so that Ray's own errors mean a lost worker."""
     try:
@@ -37,7 +39,7 @@ class RayAttackRunner(AttackRunner):
 
     Parameters
     ----------
-    attacker : Attacker
+    attacker : LayerAttack
         A picklable attack.
     address : str or None (default: None)
         Ray cluster address, used only when Ray is not initialised in this process yet
@@ -48,7 +50,12 @@ class RayAttackRunner(AttackRunner):
     """
 
     def __init__(
-        self, attacker: Attacker, *, address: str | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0
+        self,
+        attacker: LayerAttack,
+        *,
+        address: str | None = None,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
     ) -> None:
         super().__init__(attacker)
         if num_cpus < 0 or num_gpus < 0:
@@ -78,7 +85,7 @@ class RayAttackRunner(AttackRunner):
 
     def run(
         self,
-        update: LayerDelta,
+        update: LayerUpdate[np.ndarray],
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,

@@ -11,9 +11,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from fl_attack.simulate.secagg import SecAggPlusQuantization
+from fl_attack.types import LayerAttack
 from fl_attack.validation import check_batch_size, check_time_budget
 
-from .workers import WORKER_PRIORITIES, Attacker, AttackRunner, make_runner
+from .workers import WORKER_PRIORITIES, AttackRunner, make_runner
 
 #: Where attacks run: a worker process or thread per pool worker, or Ray tasks.
 BACKENDS = ("local", "ray")
@@ -33,9 +34,10 @@ class AttackSettings:
         Seconds each attack may spend.
     timeout : float or None (default: None)
         Hard limit per attack, after which it is stopped and recorded as a timeout.
-    fallback : str or Attacker or None (default: None)
+    fallback : str or LayerAttack or None (default: None)
         Approximate second attack on updates not recovered exactly (:mod:`fl_attack.audit.fallback`):
-        a registered attack's name, an object with ``invert``, or None / ``""`` / ``"none"`` for none.
+        a registered attack's name, a :class:`fl_attack.types.LayerAttack`, or None / ``""`` /
+        ``"none"`` for none.
 
     Raises
     ------
@@ -48,7 +50,7 @@ class AttackSettings:
     batch_size: int | None = None
     time_budget: float | None = None
     timeout: float | None = None
-    fallback: str | Attacker | None = None
+    fallback: str | LayerAttack | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_key", self.weight_key or None)
@@ -57,14 +59,8 @@ class AttackSettings:
         check_time_budget(self.time_budget)
         check_time_budget(self.timeout, name="timeout")
         fallback = self.fallback
-        if (
-            fallback is not None
-            and not isinstance(fallback, str)
-            and not callable(getattr(fallback, "invert", None))
-        ):
-            raise ValueError(
-                f"fallback must be an attack name, an attacker with invert() or None, got {fallback!r}"
-            )
+        if fallback is not None and not isinstance(fallback, (str, LayerAttack)):
+            raise ValueError(f"fallback must be an attack name, a LayerAttack or None, got {fallback!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +120,7 @@ class ExecutionSettings:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
 
-    def make_runner(self, attacker: Attacker) -> AttackRunner:
+    def make_runner(self, attacker: LayerAttack) -> AttackRunner:
         """A runner of ``attacker`` on this backend: a Ray task runner, or a local thread or process."""
         if self.backend == "ray":
             from .ray_runner import RayAttackRunner  # Ray is imported only when asked for

@@ -100,15 +100,15 @@ def magnitude_concentration(values: np.ndarray) -> float:
     return float(np.mean(np.abs(magnitudes - median) <= 0.05 * median))
 
 
-def update_signature(weight_delta: np.ndarray) -> UpdateSignature:
+def update_signature(weight_update: np.ndarray) -> UpdateSignature:
     """Read the rank, gap, noise and magnitude figures of an ``(m, n)`` layer update.
 
     Raises
     ------
     ValueError
-        If ``weight_delta`` is not a finite 2-D array.
+        If ``weight_update`` is not a finite 2-D array.
     """
-    delta = np.asarray(weight_delta, dtype=np.float64)
+    delta = np.asarray(weight_update, dtype=np.float64)
     if delta.ndim != 2:
         raise ValueError(f"a layer update must be a 2-D (m, n) matrix, got shape {delta.shape}")
     if not np.isfinite(delta).all():

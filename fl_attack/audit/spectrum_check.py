@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fl_attack.pipeline.spectrum.decompose import estimate_batch_size, rounding_floor
-from fl_attack.types import ObservedUpdate
+from fl_attack.types import LayerUpdate, ObservedUpdate
 
-from .layer import LayerDelta
 from .signature import ADAPTIVE_CONCENTRATION, UpdateSignature, magnitude_concentration
 from .verdict import not_applicable_reason
 
@@ -56,7 +56,7 @@ class SpectrumRuling:
 
 
 def ruled_out_by_spectrum(
-    delta: LayerDelta,
+    delta: LayerUpdate[np.ndarray],
     *,
     signature: Callable[[], UpdateSignature],
     train_mode: str | None,
@@ -66,7 +66,7 @@ def ruled_out_by_spectrum(
 
     Parameters
     ----------
-    delta : LayerDelta
+    delta : LayerUpdate[np.ndarray]
         The observed update of the attacked layer.
     signature : Callable[[], UpdateSignature]
         The update's signature, computed on demand (the verdict's wording comes from it).
@@ -80,10 +80,8 @@ def ruled_out_by_spectrum(
     ValueError
         On an update that is not a finite ``(m, n)`` matrix with a matching bias.
     """
-    update = ObservedUpdate.from_arrays(
-        delta.weight_delta, delta.bias_delta, weight=delta.weight, bias=delta.bias, device=torch.device("cpu")
-    )
-    grad = update.weight_grad
+    update = ObservedUpdate.from_update(delta, device=torch.device("cpu"))
+    grad = update.weight_update
     floor = rounding_floor(grad, unit_roundoff=update.unit_roundoff, weight=update.weight)
     shape = (int(grad.shape[0]), int(grad.shape[1]))
     try:
@@ -92,7 +90,7 @@ def ruled_out_by_spectrum(
         )
     except ValueError:
         estimate = None
-    if magnitude_concentration(delta.weight_delta) > ADAPTIVE_CONCENTRATION:
+    if magnitude_concentration(delta.weight_update) > ADAPTIVE_CONCENTRATION:
         # Adam-like steps: the verdict is not-applicable whatever the attack returns
         reason = not_applicable_reason(signature(), train_mode=train_mode, num_examples=num_examples)
         if reason is not None:

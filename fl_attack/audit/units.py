@@ -10,8 +10,9 @@ import numpy as np
 
 from fl_attack.results.recovery import KIND_FEATURES, KIND_TABULAR, SampleFlags, sample_flags
 from fl_attack.simulate.secagg import SecAggPlusQuantization, secagg_observed_sum
+from fl_attack.types import LayerUpdate
 
-from .layer import LayerDelta, LayerKeys, SentLayer
+from .layer import LayerKeys, SentLayer
 from .observations import ClientUpdate
 from .workers import AttackResult
 
@@ -26,26 +27,26 @@ _MEAN_KEYS = {KIND_FEATURES: "mean_relative_error", KIND_TABULAR: "mean_features
 class Prepared:
     """One unit's observed update, ready for a worker.
 
-    ``update`` is the observed :class:`LayerDelta`, or, for one client's single-precision
+    ``update`` is the observed :class:`fl_attack.LayerUpdate`, or, for one client's single-precision
     update, the :class:`SentLayer` it is computed from: a queued unit then holds the client's
     float32 layer (half the float64 difference) and shares the round's global layer with the
-    round's other units. :attr:`delta` is the same :class:`LayerDelta` either way.
+    round's other units. :attr:`delta` is the same :class:`fl_attack.LayerUpdate` either way.
     """
 
     server_round: int
     members: list[ClientUpdate]
-    update: LayerDelta | SentLayer
+    update: LayerUpdate[np.ndarray] | SentLayer
 
     @property
-    def delta(self) -> LayerDelta:
+    def delta(self) -> LayerUpdate[np.ndarray]:
         """The observed float64 update (computed anew from a :class:`SentLayer` at every access)."""
         update = self.update
         return update.delta() if isinstance(update, SentLayer) else update
 
     def materialized(self) -> Prepared:
-        """This unit with its :class:`LayerDelta` computed once, for the attack that runs now
+        """This unit with its :class:`fl_attack.LayerUpdate` computed once, for the attack that runs now
         (a spilled update's file is removed: :meth:`SentLayer.take`)."""
-        return self if isinstance(self.update, LayerDelta) else replace(self, update=self.update.take())
+        return self if isinstance(self.update, LayerUpdate) else replace(self, update=self.update.take())
 
     def discard(self) -> None:
         """The unit is never attacked (dropped): remove its spilled file, if any."""
@@ -82,17 +83,17 @@ def unit_details(members: Sequence[ClientUpdate], layer: LayerKeys | None) -> di
 
 
 def observed_sum(
-    deltas: Sequence[LayerDelta],
+    deltas: Sequence[LayerUpdate[np.ndarray]],
     members: Sequence[ClientUpdate],
     *,
     quantization: SecAggPlusQuantization | None,
     seed: tuple[int, ...],
-) -> LayerDelta:
+) -> LayerUpdate[np.ndarray]:
     """The layer update the server observes of a unit: its members' deltas summed.
 
     Parameters
     ----------
-    deltas : Sequence[LayerDelta]
+    deltas : Sequence[LayerUpdate[np.ndarray]]
         Each member's change of the attacked layer, all from the same global layer.
     members : Sequence[ClientUpdate]
         The unit's members, in the order of ``deltas`` (their example counts weigh SecAgg+).
@@ -104,7 +105,7 @@ def observed_sum(
 
     Returns
     -------
-    LayerDelta
+    LayerUpdate
         The observed change, with the global layer of the first delta.
     """
     if quantization is None:
@@ -114,15 +115,15 @@ def observed_sum(
         return delta
     start = deltas[0]
     weight_sum, bias_sum = secagg_observed_sum(
-        [(each.weight_delta, each.bias_delta) for each in deltas],
+        [(each.weight_update, each.bias_update) for each in deltas],
         start=(start.weight, start.bias),
         num_examples=[member.num_examples for member in members],
         settings=quantization,
         seed=(*seed, *(member.identity.node_id for member in members)),
     )
-    return LayerDelta(
-        weight_delta=weight_sum,
-        bias_delta=bias_sum,
+    return LayerUpdate(
+        weight_update=weight_sum,
+        bias_update=bias_sum,
         weight=start.weight,
         bias=start.bias,
         after_layers=start.after_layers,

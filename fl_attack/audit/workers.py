@@ -18,7 +18,7 @@ and the last one comes back with the ``"timeout"`` result, never as a complete b
 from __future__ import annotations
 
 import contextlib
-import inspect
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -32,13 +32,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from fl_attack.pipeline.budget.budget import Budget
 from fl_attack.progress import as_partial, report_progress, reporting_to
 from fl_attack.reconstruction import Reconstruction
+from fl_attack.types import OPTIONAL_PARTS, LayerAttack, LayerUpdate
 from fl_attack.vocabulary import (
     STATUS_ERROR,
     STATUS_KILLED,
@@ -54,7 +55,6 @@ from .checkpoint import (
     read_checkpoint,
     remove_checkpoint,
 )
-from .layer import LayerDelta
 from .memory import release_freed_memory
 from .next_layer_stage import with_next_layer
 
@@ -63,34 +63,6 @@ PARENT_CHECK_SECONDS = 1.0
 
 #: Seconds a new worker process may take to import the attack before it is given up.
 WORKER_STARTUP_TIMEOUT = 300.0
-
-
-class Attacker(Protocol):
-    """What the strategy needs from a gradient-inversion attack (e.g. ``SpearPlusPlus``)."""
-
-    def invert(
-        self,
-        weight_grad: np.ndarray,
-        bias_grad: np.ndarray,
-        *,
-        weight: np.ndarray,
-        bias: np.ndarray,
-        batch_size: int | None = None,
-        budget: Budget | None = None,
-    ) -> Any:
-        """Recover the layer inputs behind ``(weight_grad, bias_grad)``.
-
-        ``budget`` is the attack's one time budget, started by the audit's worker just before the
-        call (the audit's ``time_budget`` seconds, else the attacker's own ``time_budget``).
-
-        An attacker whose ``invert`` also takes ``head_weight=`` is given the global weight of
-        the output layer when it directly follows the attacked layer, and one that takes
-        ``next_weight_grad=`` the client's change of the linear layer that follows it
-        (:func:`accepts_keyword`).
-
-        Returns an object with an ``inputs`` attribute holding the ``(b, n)``
-        reconstructed inputs (a :class:`fl_attack.Reconstruction`).
-        """
 
 
 @dataclass(frozen=True)
@@ -142,43 +114,35 @@ def _release_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def accepts_keyword(attacker: Attacker, name: str) -> bool:
-    """Whether the attacker's ``invert`` takes the keyword ``name`` (SPEAR and SPEAR++ take
-    ``head_weight=`` and ``next_weight_grad=``; not every attack does)."""
-    try:
-        parameters = inspect.signature(attacker.invert).parameters
-    except (TypeError, ValueError):  # a builtin or C-implemented invert without a signature
-        return False
-    parameter = parameters.get(name)
-    return parameter is not None and parameter.kind in (
-        inspect.Parameter.KEYWORD_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    )
-
-
-def _invert(attacker: Attacker, update: LayerDelta, batch_size: int | None, time_budget: float | None) -> Any:
-    """The only call into the attacker: the observed update and the global layer (for attackers
-    that take them: the global head weight of a one-hidden-layer model, and the client's change of
-    the following linear layer); then the next-layer route where it applies
-    (:mod:`fl_attack.audit.next_layer_stage`)."""
-    following = update.next_weight_delta
-    if following is not None and not (np.isfinite(following).all() and np.any(following != 0)):
-        following = None  # a frozen or unreadable next layer holds no activations: attack without it
-    given = {"head_weight": update.head_weight, "next_weight_grad": following}
-    extra = {
-        name: value for name, value in given.items() if value is not None and accepts_keyword(attacker, name)
+def offered_update(attacker: LayerAttack, update: LayerUpdate[np.ndarray]) -> LayerUpdate[np.ndarray]:
+    """``update`` as the attacker is given it: of its optional parts only those it uses
+    (:attr:`fl_attack.LayerAttack.uses`), and no next-layer update that is frozen or unreadable
+    (it holds no activations)."""
+    following = update.next_weight_update
+    unreadable = following is not None and not (np.isfinite(following).all() and np.any(following != 0))
+    left_out: dict[str, Any] = {
+        name: None
+        for name in OPTIONAL_PARTS
+        if getattr(update, name) is not None
+        and (name not in attacker.uses or (name == "next_weight_update" and unreadable))
     }
-    # the attack's one budget, started here (in the worker) once per attack
+    return dataclasses.replace(update, **left_out) if left_out else update  # nothing left out: no copy
+
+
+def _invert(
+    attacker: LayerAttack, update: LayerUpdate[np.ndarray], batch_size: int | None, time_budget: float | None
+) -> Any:
+    """The only call into the attacker: the observed update with the parts it uses
+    (:func:`offered_update`) and the attack's one budget, started here (in the worker) once per
+    attack: ``time_budget`` seconds, else the attacker's own ``time_budget``; then the
+    next-layer route where it applies (:mod:`fl_attack.audit.next_layer_stage`), on the same
+    budget."""
     budget = Budget.start(time_budget if time_budget is not None else getattr(attacker, "time_budget", None))
-    route_may_follow = update.next_weight_delta is not None and update.after_layers
-    reconstruction = attacker.invert(
-        update.weight_delta,
-        update.bias_delta,
-        weight=update.weight,
-        bias=update.bias,
+    route_may_follow = update.next_weight_update is not None and update.after_layers
+    reconstruction = attacker.attack(
+        offered_update(attacker, update),
         batch_size=batch_size,
         budget=budget.exact_attack_share() if route_may_follow else budget,
-        **extra,
     )
     if not route_may_follow:
         return reconstruction
@@ -268,8 +232,8 @@ def _cpu_seconds(stat_path: str) -> float | None:
 
 
 def run_attack(
-    attacker: Attacker,
-    update: LayerDelta,
+    attacker: LayerAttack,
+    update: LayerUpdate[np.ndarray],
     *,
     batch_size: int | None = None,
     time_budget: float | None = None,
@@ -279,9 +243,9 @@ def run_attack(
 
     Parameters
     ----------
-    attacker : Attacker
+    attacker : LayerAttack
         The attack, e.g. ``fl_attack.SpearPlusPlus``.
-    update : LayerDelta
+    update : LayerUpdate[np.ndarray]
         The client's first-layer update and the global layer it started from.
     batch_size : int or None (default: None)
         Batch size handed to the attacker; None lets it estimate the batch size.
@@ -324,13 +288,13 @@ def run_attack(
 class AttackRunner(ABC):
     """Runs an attacker on observed updates; every failure becomes an AttackResult."""
 
-    def __init__(self, attacker: Attacker) -> None:
+    def __init__(self, attacker: LayerAttack) -> None:
         self.attacker = attacker
 
     @abstractmethod
     def run(
         self,
-        update: LayerDelta,
+        update: LayerUpdate[np.ndarray],
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -351,7 +315,7 @@ class ThreadAttackRunner(AttackRunner):
 
     def run(
         self,
-        update: LayerDelta,
+        update: LayerUpdate[np.ndarray],
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -403,7 +367,7 @@ def _yield_the_cores(priority: str, pid: int = 0) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, 19)
 
 
-def _worker_main(connection: Connection, attacker: Attacker, priority: str = "idle") -> None:
+def _worker_main(connection: Connection, attacker: LayerAttack, priority: str = "idle") -> None:
     """Worker loop: receive ``(update, batch_size, time_budget, checkpoint)``, send pickled
     results; the attack's partial results go to the file ``checkpoint`` meanwhile."""
     _yield_the_cores(priority)
@@ -436,7 +400,7 @@ def _worker_main(connection: Connection, attacker: Attacker, priority: str = "id
             connection.send((kind, f"{type(error).__name__}: {error}", traceback.format_exc()))
 
 
-def worker_start_method(attacker: Attacker) -> str:
+def worker_start_method(attacker: LayerAttack) -> str:
     """How a worker process for ``attacker`` starts: ``"fork"`` for a CPU attack on Linux, else
     ``"spawn"``.
 
@@ -471,7 +435,7 @@ class ProcessAttackRunner(AttackRunner):
 
     Parameters
     ----------
-    attacker : Attacker
+    attacker : LayerAttack
         A picklable attacker (e.g. ``fl_attack.SpearPlusPlus``).
     start_method : str or None (default: None)
         ``multiprocessing`` start method; None chooses :func:`worker_start_method`.
@@ -480,7 +444,7 @@ class ProcessAttackRunner(AttackRunner):
     """
 
     def __init__(
-        self, attacker: Attacker, *, start_method: str | None = None, priority: str = "idle"
+        self, attacker: LayerAttack, *, start_method: str | None = None, priority: str = "idle"
     ) -> None:
         if priority not in WORKER_PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
@@ -547,7 +511,7 @@ class ProcessAttackRunner(AttackRunner):
 
     def run(
         self,
-        update: LayerDelta,
+        update: LayerUpdate[np.ndarray],
         *,
         batch_size: int | None = None,
         time_budget: float | None = None,
@@ -629,7 +593,7 @@ class ProcessAttackRunner(AttackRunner):
             self._checkpoints = None
 
 
-def make_runner(attacker: Attacker, isolation: str, *, priority: str = "idle") -> AttackRunner:
+def make_runner(attacker: LayerAttack, isolation: str, *, priority: str = "idle") -> AttackRunner:
     """A runner for ``isolation`` ``"thread"`` or ``"process"`` (a worker at ``priority``)."""
     if isolation == "thread":
         return ThreadAttackRunner(attacker)

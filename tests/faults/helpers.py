@@ -21,7 +21,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fl_attack import Reconstruction, SpearPlusPlus
+from fl_attack import LayerUpdate, Reconstruction, SpearPlusPlus
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.audit import Auditor, ExecutionSettings
 from fl_attack.audit.protocol import AUDIT_KEY, GROUND_TRUTH_KEY, NUM_EXAMPLES_KEY, PARTITION_ID_KEY
 from fl_attack.pipeline.budget.budget import Budget
@@ -122,7 +123,7 @@ class FakeGrid:
 # ---------------------------------------------------------------------------------- attackers
 
 
-class ScriptedAttacker:
+class ScriptedAttacker(LayerAttackBase):
     """A fake attacker whose behaviour a test switches between rounds (thread isolation only).
 
     Modes: ``"echo"`` returns the update's first ``BATCH`` rows (tiled ``repeat`` times),
@@ -140,34 +141,25 @@ class ScriptedAttacker:
         self.received: list[np.ndarray] = []
         self._spear = SpearPlusPlus(device="cpu", time_budget=20.0, progress=False)
 
-    def invert(
+    def attack(
         self,
-        weight_grad: np.ndarray,
-        bias_grad: np.ndarray,
+        update: LayerUpdate[np.ndarray],
+        /,
         *,
-        weight: np.ndarray,
-        bias: np.ndarray,
         batch_size: int | None = None,
         budget: Budget | None = None,
     ) -> Reconstruction:
         """Behave as :attr:`mode` says."""
-        self.received.append(np.array(weight_grad, copy=True))
+        self.received.append(np.array(update.weight_update, copy=True))
         if self.mode == "raise":
             raise self.error
         if self.mode == "block":
             self.release.wait(self.block_seconds)
             raise RuntimeError("the blocked attack was released")
         if self.mode == "spear++":
-            return self._spear.invert(
-                weight_grad,
-                bias_grad,
-                weight=weight,
-                bias=bias,
-                batch_size=batch_size,
-                budget=budget,
-            )
+            return self._spear.attack(update, batch_size=batch_size, budget=budget)
         return Reconstruction(
-            inputs=torch.as_tensor(echo(weight_grad, repeat=self.repeat)),
+            inputs=torch.as_tensor(echo(update.weight_update, repeat=self.repeat)),
             batch_size=BATCH,
             sparsity_matching=1.0,
             complete=True,

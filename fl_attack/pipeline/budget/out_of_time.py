@@ -42,10 +42,10 @@ def decompose_in_time(
         The attack's time budget.
     """
     deadline = budget.decomposition
-    floor = rounding_floor(update.weight_grad, unit_roundoff=update.unit_roundoff, weight=update.weight)
+    floor = rounding_floor(update.weight_update, unit_roundoff=update.unit_roundoff, weight=update.weight)
     try:
         factors = decompose(
-            update.weight_grad, batch_size=batch_size, rounding_floor=floor, deadline=deadline
+            update.weight_update, batch_size=batch_size, rounding_floor=floor, deadline=deadline
         )
     except DeadlineReached as stop:
         size = batch_size or 0

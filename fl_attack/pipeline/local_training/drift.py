@@ -112,7 +112,7 @@ class DriftMatchingScorer(SparsityMatchingScorer):
 
     A selection is accepted when every direction is drift-consistent (:meth:`DriftViolations.passed`).
 
-    ``update.weight_grad`` and ``update.bias_grad`` must be the client's change ``W_E - W_0``
+    ``update.weight_update`` and ``update.bias_update`` must be the client's change ``W_E - W_0``
     and ``b_E - b_0`` themselves (not a multiple of it).
     """
 
@@ -123,11 +123,11 @@ class DriftMatchingScorer(SparsityMatchingScorer):
         tolerance: ZeroTolerance,
     ) -> None:
         super().__init__(update, factors, tolerance)
-        self.final_basis = (update.weight + update.weight_grad) @ factors.right.T  # (m, b)
-        self.final_bias = update.bias + update.bias_grad
+        self.final_basis = (update.weight + update.weight_update) @ factors.right.T  # (m, b)
+        self.final_bias = update.bias + update.bias_update
         self.precision = min(1.0, max(tolerance.relative_noise, PRECISION_FLOOR))
         self.row_norms = update.weight.norm(dim=1)
-        self.change_norms = update.weight_grad.norm(dim=1)
+        self.change_norms = update.weight_update.norm(dim=1)
 
     def start_pre_activations(self, q_inv: torch.Tensor) -> torch.Tensor:
         """``(..., m, b)`` pre-activations at ``W_0`` of the inputs ``q_inv @ right``."""
@@ -151,7 +151,7 @@ class DriftMatchingScorer(SparsityMatchingScorer):
         start, final = self.start_pre_activations(q_inv), self.final_pre_activations(q_inv)
         inputs_norm = (q_inv @ self.factors.right).norm(dim=1)[None, :]
         ambiguous = AMBIGUITY_FACTOR * self.precision * self.row_norms[:, None] * inputs_norm
-        change = self.change_norms[:, None] * inputs_norm + self.update.bias_grad.abs()[:, None]
+        change = self.change_norms[:, None] * inputs_norm + self.update.bias_update.abs()[:, None]
         predicted = (start <= 0) & (final <= 0)
         deep = ~zero & (torch.maximum(start, final) < -DEEP_INACTIVE * change)
         return DriftViolations(
@@ -261,7 +261,7 @@ def drift_self_check(
             f"{int(failing.sum())} directions are not drift-consistent ({hard} with zeros on "
             f"neurons active at the start, {deep} non-zero where inactive deep at both ends)"
         )
-    left, bias_grad = scorer.factors.left, scorer.update.bias_grad
+    left, bias_grad = scorer.factors.left, scorer.update.bias_update
     bias_residual = float((bias_grad - left @ (left.T @ bias_grad)).norm()) / max(
         float(bias_grad.norm()), 1e-300
     )

@@ -54,7 +54,7 @@ def weight_decay_scale(update: ObservedUpdate, *, batch_size: int, seed: int = 0
         return None
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(width, generator=generator)[:rows].to(update.weight.device)
-    observed, start = update.weight_grad[chosen], update.weight[chosen]
+    observed, start = update.weight_update[chosen], update.weight[chosen]
     gram = start @ start.T
     if not bool(torch.isfinite(gram).all()) or float(torch.linalg.matrix_rank(gram)) < rows:
         return None
@@ -77,7 +77,7 @@ def refined_scale(update: ObservedUpdate, scale: float, *, left: torch.Tensor) -
     The eigenvalue estimate carries the error of eigenvalues near the cluster (weak samples,
     e.g. near-duplicates, whose own eigenvalues sit next to ``beta``); this step removes it.
     """
-    residual = update.weight_grad - scale * update.weight
+    residual = update.weight_update - scale * update.weight
     outside = residual - left @ (left.T @ residual)
     start = update.weight - left @ (left.T @ update.weight)
     energy = float(start.square().sum())
@@ -90,6 +90,6 @@ def remove_weight_decay(update: ObservedUpdate, scale: float) -> ObservedUpdate:
     """``update`` less ``scale`` times the starting parameters (weight and bias)."""
     return replace(
         update,
-        weight_grad=update.weight_grad - scale * update.weight,
-        bias_grad=update.bias_grad - scale * update.bias,
+        weight_update=update.weight_update - scale * update.weight,
+        bias_update=update.bias_update - scale * update.bias,
     )

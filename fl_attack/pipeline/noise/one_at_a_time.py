@@ -83,7 +83,7 @@ def own_matching(scorer: SparsityMatchingScorer, rows: torch.Tensor) -> torch.Te
     """
     unit, dual = rows[:, 0], rows[:, 1]
     left = scorer.factors.left
-    scales = dual @ (left.T @ scorer.update.bias_grad)
+    scales = dual @ (left.T @ scorer.update.bias_update)
     valid = torch.isfinite(scales) & (scales != 0) & torch.isfinite(dual).all(dim=1)
     safe = torch.where(valid, scales, torch.ones_like(scales))
     pre_activation = scorer.pre_activation_basis @ (dual / safe[:, None]).T + scorer.update.bias[:, None]

@@ -291,7 +291,7 @@ def _passes_self_check(scorer: SparsityMatchingScorer, directions: torch.Tensor)
         factors=scorer.factors,
         weight=update.weight,
         bias=update.bias,
-        bias_grad=update.bias_grad,
+        bias_grad=update.bias_update,
         relative_noise=scorer.tolerance.relative_noise,
         exact=True,
         pre_activation_basis=scorer.pre_activation_basis,

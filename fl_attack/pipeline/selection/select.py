@@ -86,7 +86,7 @@ class SparsityMatchingScorer:
     def scales(self, directions: torch.Tensor) -> torch.Tensor:
         """Per-direction scales ``s`` with ``left Q diag(s) 1 = dL/db`` for ``(..., b, b)`` row sets."""
         columns = self.factors.left @ directions.transpose(-1, -2)  # (..., m, b)
-        target = self.update.bias_grad.expand(*columns.shape[:-2], -1).unsqueeze(-1)
+        target = self.update.bias_update.expand(*columns.shape[:-2], -1).unsqueeze(-1)
         return torch.linalg.lstsq(columns, target).solution.squeeze(-1)
 
     def score(self, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -376,8 +376,8 @@ class InputSideSlot:
             if factors.batch_size >= 2 and not state.noisy:
                 relative_zero = state.pool.tolerance.absolute * math.sqrt(update.width)
                 groups = detect_onehot_groups(
-                    update.weight_grad,
-                    update.bias_grad,
+                    update.weight_update,
+                    update.bias_update,
                     live=live_features(factors, relative_zero=relative_zero),
                     unit_roundoff=update.unit_roundoff,
                 )
