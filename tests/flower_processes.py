@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,19 @@ from strategies.process_guard import descendant_pids, terminate_processes
 ROOT = Path(__file__).resolve().parents[1]
 #: Seconds a SuperLink or SuperNode may take to come up on a loaded machine.
 START_TIMEOUT = 60.0
+#: ``flower-supernode`` sending heartbeats at Flower's shortest accepted interval (10 s, not the
+#: default 30 s; Flower has no flag for it): the SuperLink calls the node unavailable 2 x 10 s
+#: after its last heartbeat instead of 60 s. It fails at start if Flower no longer reads the constant.
+SHORT_HEARTBEAT_SUPERNODE = """
+import flwr.common.constant as constant
+constant.HEARTBEAT_DEFAULT_INTERVAL = constant.HEARTBEAT_MIN_INTERVAL
+from flwr.supercore import heartbeat
+from flwr.supernode import fleet_http_connection
+from flwr.supernode.cli import flower_supernode
+used = {heartbeat.HEARTBEAT_DEFAULT_INTERVAL, fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL}
+assert used == {constant.HEARTBEAT_MIN_INTERVAL}, f"heartbeat interval not shortened: {used}"
+flower_supernode()
+"""
 
 
 def free_port() -> int:
@@ -60,6 +74,25 @@ def write_flower_config(home: Path, connections: dict[str, str]) -> None:
     for name, body in connections.items():
         text += f"\n[superlink.{name}]\n{body.strip()}\n"
     (home / "config.toml").write_text(text, encoding="utf-8")
+
+
+def supernode_command(superlink_port: int, node_config: str, *, short_heartbeat: bool = False) -> list[str]:
+    """``flower-supernode --insecure`` on a free port, connected to the SuperLink on ``superlink_port``.
+
+    ``short_heartbeat`` starts it with :data:`SHORT_HEARTBEAT_SUPERNODE`, for a node a test kills:
+    the SuperLink then notices its death in at most 20 s.
+    """
+    launcher = [sys.executable, "-c", SHORT_HEARTBEAT_SUPERNODE] if short_heartbeat else ["flower-supernode"]
+    return [
+        *launcher,
+        "--insecure",
+        "--superlink",
+        f"127.0.0.1:{superlink_port}",
+        "--port",
+        str(free_port()),
+        "--node-config",
+        node_config,
+    ]
 
 
 def superlink_pid(port: int) -> int | None:

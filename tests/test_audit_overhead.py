@@ -25,6 +25,7 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # the benchmark's quick run: several simulations of a few rounds
 def test_quick_run_writes_every_arm_with_positive_numbers(tmp_path: Path) -> None:
     assert main(["--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "audit_overhead_quick.json").read_text(encoding="utf-8"))

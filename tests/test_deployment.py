@@ -19,7 +19,18 @@ from pathlib import Path
 import pytest
 
 from fl_attack.results.store import load_table
-from tests.flower_processes import ROOT, FlowerProcesses, flower_env, free_port, run_flwr, write_flower_config
+from tests.flower_processes import (
+    ROOT,
+    FlowerProcesses,
+    flower_env,
+    free_port,
+    run_flwr,
+    supernode_command,
+    write_flower_config,
+)
+
+#: A real SuperLink, SuperNodes and ``flwr run``, minutes on two cores: the slow tier.
+pytestmark = pytest.mark.slow
 
 #: Seconds the run may take on a loaded two-core machine (each message starts a ClientApp process).
 RUN_TIMEOUT = 480.0
@@ -50,8 +61,13 @@ def _deployment_app(directory: Path) -> Path:
 
 
 @contextmanager
-def _deployment(directory: Path, node_configs: list[str]) -> Iterator[Deployment]:
-    """A SuperLink and one SuperNode per node config (``supernode-<i>``), all stopped on leaving."""
+def _deployment(
+    directory: Path, node_configs: list[str], *, short_heartbeat: frozenset[int] = frozenset()
+) -> Iterator[Deployment]:
+    """A SuperLink and one SuperNode per node config (``supernode-<i>``), all stopped on leaving.
+
+    The SuperNodes numbered in ``short_heartbeat`` send heartbeats at Flower's shortest interval.
+    """
     home = directory / "flower-home"
     env = flower_env(home)
     port = free_port()
@@ -73,16 +89,7 @@ def _deployment(directory: Path, node_configs: list[str]) -> Iterator[Deployment
         for index, node_config in enumerate(node_configs):
             processes.start(
                 f"supernode-{index}",
-                [
-                    "flower-supernode",
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    node_config,
-                ],
+                supernode_command(port, node_config, short_heartbeat=index in short_heartbeat),
             )
         yield Deployment(_deployment_app(directory), env, processes)
     finally:
@@ -140,14 +147,15 @@ def test_an_audited_deployment_scores_only_the_node_that_opted_in(
 
 def test_a_supernode_that_dies_mid_round_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
     """SuperNode 0 is killed once it received its round-1 message: Flower reports it unavailable
-    (no heartbeat), the audit records that node's round as failed, round 2 trains the other two."""
+    (no heartbeat within 2 x 10 s, its short interval), the audit records that node's round as
+    failed, round 2 trains the other two."""
     configs = [f"partition-id={index} num-partitions=3 audit-ground-truth=true" for index in range(3)]
     output = tmp_path / "audit"
     settings = (
         "num-server-rounds=2 min-nodes=2 dataset='digits' width=32 samples-per-client=12 batch-size=4 "
         f"fraction-evaluate=0.0 attack-time-budget=20.0 attack-isolation='thread' output-dir='{output}'"
     )
-    with _deployment(tmp_path, configs) as deployment:
+    with _deployment(tmp_path, configs, short_heartbeat=frozenset({0})) as deployment:
         run = deployment.processes.start(
             "flwr-run", ["flwr", "run", str(deployment.app), "deployment", "--stream", "-c", settings]
         )

@@ -27,6 +27,9 @@ from tests.flower_processes import (
     write_flower_config,
 )
 
+#: Real ``flwr run`` processes, a minute each on two cores: the slow tier (pyproject's markers).
+pytestmark = pytest.mark.slow
+
 #: Seconds one ``flwr run`` may take (a loaded two-core machine: Ray and torch start in each worker).
 RUN_TIMEOUT = 420.0
 #: ``flwr ls`` calls that may try to start the local SuperLink.

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -34,11 +35,27 @@ def test_library_example_recovers_the_batch() -> None:
     exec(compile(example, "README.md", "exec"), {})  # the block ends with an assert on the recovery
 
 
-def test_readme_starts_with_the_install_and_test_commands() -> None:
+def _first_commands() -> list[str]:
     first_block = README.read_text().split("```bash\n", 1)[1].split("```", 1)[0]
-    lines = [line for line in first_block.splitlines() if line.strip()]
+    return [line for line in first_block.splitlines() if line.strip()]
+
+
+def test_readme_starts_with_the_install_and_test_commands() -> None:
+    lines = _first_commands()
     assert lines[0].startswith('python3 -m pip install -e ".[test]" && fl-attack-audit')
     assert lines[1].startswith("python3 -m pytest -q")
+
+
+def test_ci_runs_the_readmes_test_command_and_then_the_slow_tier() -> None:
+    """The README's command is the fast tier; CI runs it as written, then the rest (``-m slow``)."""
+    command = _first_commands()[1].split("#", 1)[0].strip()
+    assert command == 'python3 -m pytest -q -m "not slow"'
+    ci = [line.split("python3 ", 1)[-1] for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    fast, slow = ci.index(command.removeprefix("python3 ")), ci.index("-m pytest -q -m slow")
+    assert fast < slow
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        markers = tomllib.load(handle)["tool"]["pytest"]["ini_options"]["markers"]
+    assert [marker.split(":", 1)[0] for marker in markers] == ["slow"]
 
 
 def test_readme_stays_short_and_its_links_exist() -> None:

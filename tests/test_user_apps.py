@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from fl_attack.results.store import load_table
@@ -71,6 +72,7 @@ def test_user_apps_keep_flowers_shape() -> None:
         assert not any(key.startswith("attack-") for key in app.config)  # the audit's defaults
 
 
+@pytest.mark.slow  # a Ray simulation
 def test_quickstart_pytorch_one_step_is_recovered(tmp_path: Path) -> None:
     """8 training examples, batch size 32: one SGD step; fc1's 400 input features are all recovered.
 
@@ -91,6 +93,7 @@ def test_quickstart_pytorch_one_step_is_recovered(tmp_path: Path) -> None:
     assert report["exact_attack_share"] == len(exact) / 2
 
 
+@pytest.mark.slow  # a Ray simulation
 def test_quickstart_pytorch_local_epoch_is_not_applicable(tmp_path: Path) -> None:
     """160 examples in batches of 32: five momentum steps, full rank on fc1's active neurons; never exact."""
     records, report = _run(
@@ -103,6 +106,7 @@ def test_quickstart_pytorch_local_epoch_is_not_applicable(tmp_path: Path) -> Non
     assert report["exact_attack_share"] == 0.0
 
 
+@pytest.mark.slow  # a Ray simulation
 def test_fl_tabular_one_adam_step_is_not_applicable_without_a_search(tmp_path: Path) -> None:
     """16 rows, one mini-batch: one Adam step, told apart by its equal magnitudes before any attack runs."""
     records, report = _run("fl-tabular", tmp_path / "run", **{"partition-size": 20})
@@ -114,6 +118,7 @@ def test_fl_tabular_one_adam_step_is_not_applicable_without_a_search(tmp_path: P
     assert report["exact_attack_share"] == 0.0 and report["statuses"] == {STATUS_NOT_RUN: 2}
 
 
+@pytest.mark.slow  # a Ray simulation
 def test_fl_tabular_adam_epoch_is_never_claimed(tmp_path: Path) -> None:
     """320 rows, ten Adam steps: no exact attack finds a sample, and none is claimed.
 

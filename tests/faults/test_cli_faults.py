@@ -166,6 +166,7 @@ def test_a_file_size_limit_below_rays_minimum_fails_before_ray_starts(audit: Sta
     assert time.monotonic() - began < 180
 
 
+@pytest.mark.slow  # Ray waits 30 s (hard-coded) for the raylet that died
 def test_ray_that_cannot_start_ends_the_audit_with_one_line(audit: Start) -> None:
     if not _object_store_too_large_for(SMALL_LIMIT):
         pytest.skip("this machine's memory is small enough for Ray to start under the limit")
@@ -199,6 +200,7 @@ def test_sigterm_while_ray_starts_stops_everything_within_seconds(audit: Start, 
     _assert_stopped_cleanly(process, marker, run, within=20)
 
 
+@pytest.mark.slow  # a whole audit runs up to its first attack
 def test_sigterm_while_clients_train_and_workers_attack_stops_everything(audit: Start) -> None:
     process, marker, run = audit(UNLIMITED, f"{SETTINGS} num-server-rounds=2 attack-time-budget=30")
     _wait_for(process, marker, "multiprocessing.spawn", seconds=240)  # an attack worker is running
