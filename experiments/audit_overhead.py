@@ -20,7 +20,8 @@ whose whole process tree is sampled from /proc (:mod:`experiments.process_tree`)
 ``scale``
     100 clients x 3 rounds at m = 200 on CIFAR-10 (50 samples per client), audited with the
     store streaming every record to disk, then the same federation not audited: wall time and
-    the peak memory of the process tree (target: PSS < 1.5 GB).
+    the peak memory of the process tree (target: the audit's own share, audited minus not
+    audited, <= 300 MiB of peak PSS overall and in every round).
 
 Writes ``audit_overhead.json`` (the plan, the load averages at start and end, every run's raw
 numbers, the summaries) and ``audit_overhead.md`` (the table) to

@@ -132,19 +132,30 @@ def test_summaries_leave_out_first_rounds_and_failed_runs() -> None:
     throughput = throughput_summary({"measurements": measured})
     assert throughput["ratio"] == 1.8 and throughput["met"] is True and throughput["excluded_runs"] == 1
 
-    scale = scale_summary(
-        {
-            "audited": {"exit_code": 0, "wall_seconds": 5.0, "peak_pss_mib": 1500.0, "peak_rss_mib": 2000.0},
+    def scale_runs(audited_rounds: list[float]) -> dict[str, dict[str, Any]]:
+        return {
+            "audited": {
+                "exit_code": 0,
+                "wall_seconds": 5.0,
+                "peak_pss_mib": 1500.0,
+                "peak_rss_mib": 2000.0,
+                "round_peak_pss_mib": audited_rounds,
+            },
             "not_audited": {
                 "exit_code": 0,
                 "wall_seconds": 4.0,
                 "peak_pss_mib": 1200.0,
                 "peak_rss_mib": 1900.0,
+                "round_peak_pss_mib": [1000.0, 1100.0, 1200.0],
             },
         }
-    )
-    # 1500 MiB = 1.573e9 bytes: above 1.5 GB
-    assert scale["met"] is False and scale["audit_adds_pss_mib"] == 300.0
+
+    # the audit's share: 300 MiB at the peak, 250 / 300 / 300 MiB per round: at the target
+    scale = scale_summary(scale_runs([1250.0, 1400.0, 1500.0]))
+    assert scale["met"] is True and scale["audit_adds_pss_mib"] == 300.0
+    assert scale["audit_adds_per_round_mib"] == [250.0, 300.0, 300.0]
+    # one round 301 MiB over its twin: not met, although the two peaks differ by 300 MiB only
+    assert scale_summary(scale_runs([1250.0, 1401.0, 1500.0]))["met"] is False
 
 
 def test_tree_memory_counts_a_child_process() -> None:
