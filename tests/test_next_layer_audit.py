@@ -52,7 +52,7 @@ from fl_attack.audit.units import Prepared  # noqa: E402
 from fl_attack.audit.verdict import decide_verdict  # noqa: E402
 from fl_attack.data.images import load_dataset  # noqa: E402
 from fl_attack.pipeline.budget import budget as budget_module  # noqa: E402
-from fl_attack.pipeline.budget.budget import Budget, Deadline  # noqa: E402
+from fl_attack.pipeline.budget.budget import Budget, Deadline, hard_limit  # noqa: E402
 from fl_attack.pipeline.spectrum.decompose import decompose  # noqa: E402
 from fl_attack.reconstruction import Reconstruction  # noqa: E402
 from fl_attack.vocabulary import (  # noqa: E402
@@ -99,10 +99,11 @@ def test_the_auditor_merges_the_routes_checked_rows_on_a_real_batch_of_32() -> N
     assert (errors[:checked] < EXACT_RELATIVE_ERROR).all()
     assert int((errors < EXACT_RELATIVE_ERROR).sum()) >= checked
     assert summary["self_check_passed"] is False
-    # the exact attack and the route share the budget: both end by it (the attack's own
-    # deadline checks allow a small overrun)
+    # the route ran and the attack ended on its own, within the audit's hard limit; that the
+    # exact attack and the route share one budget is asserted on the Budget objects they are
+    # handed (tests/test_head_wiring.py), not on this machine's clock
     assert summary["next_layer_rounds"] >= 1
-    assert record.seconds <= 8.0 * 1.1 + 1.0, record.seconds
+    assert record.status == "ok" and record.seconds <= hard_limit(8.0), record.seconds
 
 
 def _attacked_batch_of_8(seed: int) -> tuple[LayerUpdate[np.ndarray], np.ndarray, Reconstruction]:
