@@ -161,3 +161,43 @@ def test_the_worker_starts_the_attacks_one_budget(monkeypatch: pytest.MonkeyPatc
     assert run_attack(spy, alone).status == "ok"  # no audit budget: the attacker's own
     assert run_attack(spy, followed, time_budget=4.0).status == "ok"  # the route may follow: half
     assert spy.budgets == [Budget(4.0, started=50.0), Budget(7.0, started=50.0), Budget(2.0, started=50.0)]
+
+
+class ParallelTorchAttacker(LayerAttackBase):
+    """An attack whose first operation is a parallel torch one (OpenMP on a CPU build)."""
+
+    device = "cpu"
+
+    def attack(self, update: LayerUpdate[np.ndarray], /, **_: Any) -> Reconstruction:
+        square = torch.randn(600, 600, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        (square @ square).exp_().sum()
+        return _complete(torch.as_tensor(update.weight_update[:2], dtype=torch.float64))
+
+
+def test_a_forked_worker_runs_parallel_torch_after_the_server_did() -> None:
+    # a worker forked from a thread that ran a parallel torch operation waited forever for that
+    # thread's OpenMP helpers (the default audit's worker hung so, with 0 s of CPU)
+    from fl_attack.audit.workers import ProcessAttackRunner
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        square = torch.randn(600, 600, dtype=torch.float64)
+        (square @ square).exp_().sum()  # the server's own parallel work, in this thread
+        rng = np.random.default_rng(0)
+        update = LayerUpdate(
+            weight_update=rng.standard_normal((WIDTH, INPUT_DIM)),
+            bias_update=rng.standard_normal(WIDTH),
+            weight=rng.standard_normal((WIDTH, INPUT_DIM)),
+            bias=rng.standard_normal(WIDTH),
+        )
+        runner = ProcessAttackRunner(ParallelTorchAttacker(), priority="low")
+        assert runner.start_method == "fork"
+        try:
+            runner.prestart()  # forked now, from this thread's side, as the Auditor does
+            result = runner.run(update, timeout=60.0)
+        finally:
+            runner.close()
+        assert result.status == "ok", result.error
+    finally:
+        torch.set_num_threads(threads)

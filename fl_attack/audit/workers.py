@@ -400,6 +400,30 @@ def _worker_main(connection: Connection, attacker: LayerAttack, priority: str = 
             connection.send((kind, f"{type(error).__name__}: {error}", traceback.format_exc()))
 
 
+def _fork_from_a_fresh_thread(process: Any) -> None:
+    """Start the forked ``process`` from a new thread that has run no torch operation.
+
+    torch's OpenMP runtime (libgomp) keeps a team of helper threads per thread that ran a
+    parallel operation; a child forked from such a thread has only that thread, and its first
+    parallel operation waits for the missing helpers forever (a server that had trained or
+    evaluated a model before the audit started hung its worker that way). A fresh thread has no
+    team, so the child builds its own.
+    """
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            process.start()
+        except BaseException as error:  # pylint: disable=broad-exception-caught
+            failures.append(error)
+
+    starter = threading.Thread(target=start, name="fl-attack-fork")
+    starter.start()
+    starter.join()
+    if failures:
+        raise failures[0]
+
+
 def worker_start_method(attacker: LayerAttack) -> str:
     """How a worker process for ``attacker`` starts: ``"fork"`` for a CPU attack on Linux, else
     ``"spawn"``.
@@ -478,7 +502,10 @@ class ProcessAttackRunner(AttackRunner):
             name="fl-attack-worker",
             daemon=True,
         )
-        process.start()
+        if self.start_method == "fork":
+            _fork_from_a_fresh_thread(process)
+        else:
+            process.start()
         _yield_the_cores(self.priority, process.pid)
         child.close()
         self._process, self._connection = process, parent
