@@ -154,11 +154,12 @@ def fit_one_epoch(
     budget = [node_limit]
     for size in sizes:
         steps = math.ceil(n / size)
+        products = _StepProducts(patterns)  # the momenta of one size try the same steps
         for momentum in momenta:
             decay = decay_for_scale(decay_scale, steps=steps, momentum=momentum)
             schedule = sgd_schedule(steps=steps, momentum=momentum, decay=decay)
             counts = [size] * (steps - 1) + [n - size * (steps - 1)]
-            run = _Run(patterns, schedule, counts)
+            run = _Run(patterns, schedule, counts, products)
             found = run.peel([], [], list(range(n)), budget)
             if found is not None:
                 order, inactive = found
@@ -191,15 +192,37 @@ def _lasting(patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) 
     return last
 
 
+class _StepProducts:
+    """Each step's ``(m, N)`` contribution ``C_s G_s`` before its share, kept (up to
+    ``LEAF_CHUNK_ELEMENTS`` elements) for the other momenta, which try the same steps."""
+
+    def __init__(self, patterns: EpochPatterns) -> None:
+        self.patterns = patterns
+        self.kept: dict[tuple[int, ...], torch.Tensor] = {}
+        self.room = LEAF_CHUNK_ELEMENTS // max(1, patterns.start.numel())
+
+    def get(self, members: tuple[int, ...]) -> torch.Tensor:
+        product = self.kept.get(members)
+        if product is None:
+            index = list(members)
+            product = self.patterns.columns[:, index] @ self.patterns.gram[index, :]
+            if len(self.kept) < self.room:
+                self.kept[members] = product
+        return product
+
+
 class _Run:
     """The peeling search of one mini-batch size and momentum: what does not depend on the order
     of the samples (the ``_lasting`` steps) is computed once, and each placed step's product
     ``C_s G_s`` once per branch."""
 
-    def __init__(self, patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) -> None:
+    def __init__(
+        self, patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int], products: _StepProducts
+    ) -> None:
         self.patterns = patterns
         self.schedule = schedule
         self.counts = counts
+        self.step_product = products.get
         self._lasting: list[int] | None = None
 
     def lasting(self) -> list[int]:
@@ -207,11 +230,6 @@ class _Run:
         if self._lasting is None:
             self._lasting = _lasting(self.patterns, self.schedule, self.counts).tolist()
         return self._lasting
-
-    def step_product(self, members: tuple[int, ...]) -> torch.Tensor:
-        """``(m, N)``: step ``s``'s samples' contribution ``C_s G_s`` before its share."""
-        index = list(members)
-        return self.patterns.columns[:, index] @ self.patterns.gram[index, :]
 
     def pre_activations(self, products: list[torch.Tensor]) -> torch.Tensor:
         """``(m, N)`` pre-activations at the weights of step ``len(products)`` (the steps placed)."""
