@@ -231,9 +231,10 @@ class _Run:
             self._lasting = _lasting(self.patterns, self.schedule, self.counts).tolist()
         return self._lasting
 
-    def pre_activations(self, products: list[torch.Tensor]) -> torch.Tensor:
-        """``(m, N)`` pre-activations at the weights of step ``len(products)`` (the steps placed)."""
-        t = len(products)
+    def pre_activations(self, products: list[torch.Tensor], *, step: int | None = None) -> torch.Tensor:
+        """``(m, N)`` pre-activations at the weights of ``step`` (default: ``len(products)``, right
+        after the steps placed) from the placed steps' ``products``."""
+        t = len(products) if step is None else step
         pre = float(self.schedule.start_scale[t]) * self.patterns.start
         for s, product in enumerate(products):
             pre = pre + float(self.schedule.share[t, s]) * product
@@ -298,10 +299,7 @@ class _Run:
         chunk = max(1, LEAF_CHUNK_ELEMENTS // max(1, m * n))
         t = len(order) + 1  # the last step
         share = float(self.schedule.share[t, t - 1])
-        # the last step's pre-activations before the last but one step's share, summed as in pre_activations
-        base = float(self.schedule.start_scale[t]) * self.patterns.start
-        for s, product in enumerate(products):
-            base = base + float(self.schedule.share[t, s]) * product
+        base = self.pre_activations(products, step=t)  # before the last but one step's share
         choices = itertools.combinations(candidates, self.counts[t - 1])
         while True:
             if budget[0] <= 0:  # the next child runs out of nodes
