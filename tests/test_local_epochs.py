@@ -135,3 +135,47 @@ def test_the_fit_orders_samples_into_their_steps_and_refuses_a_blend() -> None:
     blended = inputs.clone()
     blended[4], blended[2] = 0.7 * inputs[4] + 0.3 * inputs[2], 0.3 * inputs[4] + 0.7 * inputs[2]
     assert fit_one_epoch(_patterns(update, blended)) is None
+
+
+def _one_epoch_patterns(batches: list[torch.Tensor], *, seed: int) -> EpochPatterns:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3)).double()
+    size = sum(int(batch.numel()) for batch in batches)
+    inputs = torch.randn(size, 12, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    labels = torch.randint(0, 3, (size,), generator=torch.Generator().manual_seed(seed + 2))
+    layer = model[0]
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    sgd_steps(model, inputs, labels, batches=batches, lr=1.0, momentum=0.9)
+    update = ObservedUpdate(layer.weight.detach() - weight, layer.bias.detach() - bias, weight, bias)
+    return _patterns(update, inputs)
+
+
+@pytest.mark.parametrize(
+    "batches",
+    [
+        [torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])],
+        [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 5])],
+    ],
+)
+@pytest.mark.parametrize("node_limit", [1, 2, 5, 4000])
+def test_the_last_steps_judged_a_chunk_at_a_time_give_the_fit_of_one_at_a_time(
+    batches: list[torch.Tensor], node_limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step's candidate orders are judged in chunks; one order a chunk finds the same
+    fit, and runs out of search nodes at the same point."""
+    patterns = _one_epoch_patterns(batches, seed=11)
+    chunked = fit_one_epoch(patterns, node_limit=node_limit)
+    monkeypatch.setattr("fl_attack.pipeline.local_training.local_epochs.LEAF_CHUNK_ELEMENTS", 1)
+    single = fit_one_epoch(patterns, node_limit=node_limit)
+    assert (chunked is None) == (single is None)
+    if node_limit == 4000:
+        assert chunked is not None and {frozenset(step) for step in chunked.steps} == {
+            frozenset(batch.tolist()) for batch in batches
+        }
+    if chunked is not None and single is not None:
+        assert (chunked.batch_size, chunked.momentum, chunked.steps) == (
+            single.batch_size,
+            single.momentum,
+            single.steps,
+        )
+        assert torch.equal(chunked.inactive, single.inactive)

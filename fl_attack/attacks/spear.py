@@ -234,9 +234,13 @@ class GradientInversionAttack(LayerAttackBase):
         if decay_scale:
             stats["weight_decay_scale"] = decay_scale
         stats.update(weakest_sample_margins(factors, entry_noise=entry_noise, shape=(m, update.input_dim)))
-        scorer = scorer_for(update, factors, tolerance, local_steps=local_steps, noisy=noisy)
-        if type(scorer) is SparsityMatchingScorer and not noisy and b > 1:
-            scorer = LocalEpochScorer(update, factors, tolerance, decay_scale=decay_scale)
+        # a clean single-step update is judged by the one-epoch scorer, built without a plain one first
+        if check_local_steps(local_steps) == 1 and not noisy and b > 1:
+            scorer: SparsityMatchingScorer = LocalEpochScorer(
+                update, factors, tolerance, decay_scale=decay_scale
+            )
+        else:
+            scorer = scorer_for(update, factors, tolerance, local_steps=local_steps, noisy=noisy)
         search_factors, active = informative_rows(factors, tolerance)
         stats["informative_rows"] = int(active.sum())
         if active.sum() < b:

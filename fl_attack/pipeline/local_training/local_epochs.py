@@ -48,6 +48,10 @@ QUIET_FRACTION = 0.01
 #: Search nodes (one step's choice of samples) one call of :func:`fit_one_epoch` may visit.
 NODE_LIMIT = 4000
 
+#: Elements of the ``(k, m, N)`` pre-activations of the last step's ``k`` candidate orders that
+#: are judged together (about 64 MiB of float64).
+LEAF_CHUNK_ELEMENTS = 8_000_000
+
 
 @dataclass(frozen=True)
 class EpochPatterns:
@@ -150,11 +154,13 @@ def fit_one_epoch(
     budget = [node_limit]
     for size in sizes:
         steps = math.ceil(n / size)
+        products = _StepProducts(patterns)  # the momenta of one size try the same steps
         for momentum in momenta:
             decay = decay_for_scale(decay_scale, steps=steps, momentum=momentum)
             schedule = sgd_schedule(steps=steps, momentum=momentum, decay=decay)
             counts = [size] * (steps - 1) + [n - size * (steps - 1)]
-            found = _peel(patterns, schedule, counts, [], list(range(n)), budget)
+            run = _Run(patterns, schedule, counts, products)
+            found = run.peel([], [], list(range(n)), budget)
             if found is not None:
                 order, inactive = found
                 return EpochFit(size, momentum, decay, tuple(order), inactive)
@@ -173,18 +179,6 @@ def _consistent(patterns: EpochPatterns, pre_activation: torch.Tensor) -> torch.
     return ~(inactive & ~patterns.zero).any(dim=0) & (quiet <= allowed)
 
 
-def _pre_activations(
-    patterns: EpochPatterns, schedule: SgdSchedule, order: list[tuple[int, ...]]
-) -> torch.Tensor:
-    """``(m, N)`` pre-activations of every sample at the weights of step ``len(order)``."""
-    t = len(order)
-    pre = float(schedule.start_scale[t]) * patterns.start
-    for s, members in enumerate(order):
-        index = list(members)
-        pre = pre + float(schedule.share[t, s]) * (patterns.columns[:, index] @ patterns.gram[index, :])
-    return pre
-
-
 def _lasting(patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) -> torch.Tensor:
     """``(N,)``: the last step at which each sample still matches when every other sample's
     contribution is taken in at the share of the average sample placed before that step."""
@@ -198,43 +192,142 @@ def _lasting(patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) 
     return last
 
 
-def _peel(
-    patterns: EpochPatterns,
-    schedule: SgdSchedule,
-    counts: list[int],
-    order: list[tuple[int, ...]],
-    remaining: list[int],
-    budget: list[int],
-) -> tuple[list[tuple[int, ...]], torch.Tensor] | None:
-    """Depth-first: the samples of step ``len(order)`` among those matching its weights."""
-    budget[0] -= 1
-    if budget[0] < 0:
-        return None
-    t = len(order)
-    pre = _pre_activations(patterns, schedule, order)
-    consistent = _consistent(patterns, pre)
-    candidates = [i for i in remaining if bool(consistent[i])]
-    need = counts[t]
-    if len(candidates) < need:
-        return None
-    if t == len(counts) - 1:
-        if len(candidates) != len(remaining):
+class _StepProducts:
+    """Each step's ``(m, N)`` contribution ``C_s G_s`` before its share, kept (up to
+    ``LEAF_CHUNK_ELEMENTS`` elements) for the other momenta, which try the same steps."""
+
+    def __init__(self, patterns: EpochPatterns) -> None:
+        self.patterns = patterns
+        self.kept: dict[tuple[int, ...], torch.Tensor] = {}
+        self.room = LEAF_CHUNK_ELEMENTS // max(1, patterns.start.numel())
+
+    def get(self, members: tuple[int, ...]) -> torch.Tensor:
+        product = self.kept.get(members)
+        if product is None:
+            index = list(members)
+            product = self.patterns.columns[:, index] @ self.patterns.gram[index, :]
+            if len(self.kept) < self.room:
+                self.kept[members] = product
+        return product
+
+
+class _Run:
+    """The peeling search of one mini-batch size and momentum: what does not depend on the order
+    of the samples (the ``_lasting`` steps) is computed once, and each placed step's product
+    ``C_s G_s`` once per branch."""
+
+    def __init__(
+        self, patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int], products: _StepProducts
+    ) -> None:
+        self.patterns = patterns
+        self.schedule = schedule
+        self.counts = counts
+        self.step_product = products.get
+        self._lasting: list[int] | None = None
+
+    def lasting(self) -> list[int]:
+        """:func:`_lasting` of this size and momentum (the same at every node)."""
+        if self._lasting is None:
+            self._lasting = _lasting(self.patterns, self.schedule, self.counts).tolist()
+        return self._lasting
+
+    def pre_activations(self, products: list[torch.Tensor], *, step: int | None = None) -> torch.Tensor:
+        """``(m, N)`` pre-activations at the weights of ``step`` (default: ``len(products)``, right
+        after the steps placed) from the placed steps' ``products``."""
+        t = len(products) if step is None else step
+        pre = float(self.schedule.start_scale[t]) * self.patterns.start
+        for s, product in enumerate(products):
+            pre = pre + float(self.schedule.share[t, s]) * product
+        return pre
+
+    def peel(
+        self,
+        order: list[tuple[int, ...]],
+        products: list[torch.Tensor],
+        remaining: list[int],
+        budget: list[int],
+    ) -> tuple[list[tuple[int, ...]], torch.Tensor] | None:
+        """Depth-first: the samples of step ``len(order)`` among those matching its weights."""
+        patterns, counts = self.patterns, self.counts
+        budget[0] -= 1
+        if budget[0] < 0:
             return None
-        inactive = torch.zeros_like(patterns.zero)
+        t = len(order)
+        consistent = _consistent(patterns, self.pre_activations(products)).tolist()
+        candidates = [i for i in remaining if consistent[i]]
+        need = counts[t]
+        if len(candidates) < need:
+            return None
+        if t == len(counts) - 1:
+            return self.result(order, products, remaining) if len(candidates) == len(remaining) else None
+        # samples that stop matching soonest as the others' contributions grow are placed first
+        lasting = self.lasting()
+        candidates.sort(key=lambda i: lasting[i])
+        if t == len(counts) - 2:
+            return self.peel_last_two(order, products, remaining, candidates, budget)
+        for chosen in itertools.combinations(candidates, need):
+            rest = [i for i in remaining if i not in chosen]
+            found = self.peel([*order, chosen], [*products, self.step_product(chosen)], rest, budget)
+            if found is not None:
+                return found
+            if budget[0] <= 0:
+                return None
+        return None
+
+    def result(
+        self, order: list[tuple[int, ...]], products: list[torch.Tensor], remaining: list[int]
+    ) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+        """The steps with ``remaining`` as the last, and each sample's inactive neurons at its own step."""
+        inactive = torch.zeros_like(self.patterns.zero)
         for s, members in enumerate([*order, tuple(remaining)]):
             index = list(members)
-            inactive[:, index] = (_pre_activations(patterns, schedule, order[:s]) < -patterns.ambiguity)[
-                :, index
-            ]
+            inactive[:, index] = (self.pre_activations(products[:s]) < -self.patterns.ambiguity)[:, index]
         return [*order, tuple(remaining)], inactive
-    # samples that stop matching soonest as the others' contributions grow are placed first
-    lasting = _lasting(patterns, schedule, counts)
-    candidates.sort(key=lambda i: int(lasting[i]))
-    for chosen in itertools.combinations(candidates, need):
-        rest = [i for i in remaining if i not in chosen]
-        found = _peel(patterns, schedule, counts, [*order, chosen], rest, budget)
-        if found is not None:
-            return found
-        if budget[0] <= 0:
-            return None
-    return None
+
+    def peel_last_two(
+        self,
+        order: list[tuple[int, ...]],
+        products: list[torch.Tensor],
+        remaining: list[int],
+        candidates: list[int],
+        budget: list[int],
+    ) -> tuple[list[tuple[int, ...]], torch.Tensor] | None:
+        """:meth:`peel`'s loop over the last but one step's choices, whose children (the last
+        step: every sample left must match) are judged a chunk at a time, in the same order and
+        with the same node count as one :meth:`peel` call each."""
+        m, n = self.patterns.start.shape
+        chunk = max(1, LEAF_CHUNK_ELEMENTS // max(1, m * n))
+        t = len(order) + 1  # the last step
+        share = float(self.schedule.share[t, t - 1])
+        base = self.pre_activations(products, step=t)  # before the last but one step's share
+        choices = itertools.combinations(candidates, self.counts[t - 1])
+        while True:
+            if budget[0] <= 0:  # the next child runs out of nodes
+                budget[0] -= 1
+                return None
+            batch = list(itertools.islice(choices, min(chunk, budget[0])))
+            if not batch:
+                return None
+            step_products = [self.step_product(chosen) for chosen in batch]
+            pre = base[None] + share * torch.stack(step_products)
+            fits = _consistent_all(self.patterns, pre, [self._rest(remaining, chosen) for chosen in batch])
+            for chosen, product, fit in zip(batch, step_products, fits, strict=True):
+                budget[0] -= 1
+                if fit:
+                    return self.result([*order, chosen], [*products, product], self._rest(remaining, chosen))
+                if budget[0] <= 0:
+                    return None
+
+    @staticmethod
+    def _rest(remaining: list[int], chosen: tuple[int, ...]) -> list[int]:
+        return [i for i in remaining if i not in chosen]
+
+
+def _consistent_all(patterns: EpochPatterns, pre: torch.Tensor, columns: list[list[int]]) -> list[bool]:
+    """Per ``(m, N)`` slice of ``pre``: :func:`_consistent` holds for each of its ``columns``."""
+    inactive = pre < -patterns.ambiguity
+    active = pre > patterns.ambiguity
+    quiet = (active & patterns.zero).sum(dim=1)  # (k, N)
+    allowed = int(QUIET_FRACTION * patterns.zero.shape[0])
+    consistent = (~(inactive & ~patterns.zero).any(dim=1) & (quiet <= allowed)).tolist()
+    return [all(row[i] for i in index) for row, index in zip(consistent, columns, strict=True)]
