@@ -445,9 +445,10 @@ def test_dense_low_rank_gradient_is_not_reported_as_recovered() -> None:
 
 
 def test_same_seed_gives_identical_reconstruction_and_reports_initializations() -> None:
-    case = _case("faces", 10, 200, 1)
-    # no time budget: the search is bounded by its own work, so a loaded machine cannot stop the
-    # two runs at different points (it needs ~18 s of a 20 s budget on 2 busy cores)
+    # a batch that the sphere search completes in its first rounds, with no time budget: the input
+    # side's later rounds are sliced by the time the sphere rounds took, so only an attack that
+    # ends before them repeats bit for bit on a loaded machine (the seed's documented scope)
+    case = _case(*EASY)
     first = _fast_attack(seed=5, time_budget=None).invert(case.weight_grad, case.bias_grad, **case.params())
     second = _fast_attack(seed=5, time_budget=None).invert(case.weight_grad, case.bias_grad, **case.params())
     assert torch.equal(first.inputs, second.inputs)

@@ -118,7 +118,9 @@ class GradientInversionAttack(LayerAttackBase):
         ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a ``torch.device``.
     seed
         Seed of the attack's own random generator; the same seed on the same device gives
-        the same reconstruction.
+        the same reconstruction, except where the input side's rounds run (non-negative inputs
+        the sphere search does not finish in its first rounds): each gets as long as the sphere
+        round before it took, so how far it gets depends on the machine's speed and load.
     time_budget
         Seconds within which ``invert`` returns the best reconstruction it has, measured from its
         call (unless the call brings its own started ``budget``); None for no limit. Every stage
