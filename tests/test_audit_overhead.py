@@ -52,7 +52,8 @@ def test_quick_run_writes_every_arm_with_positive_numbers(tmp_path: Path) -> Non
 
     scale = results["summary"]["scale"]
     assert _positive(scale["audited"]["wall_seconds"]) and _positive(scale["audited"]["peak_pss_mib"])
-    assert scale["met"] is (scale["audited"]["peak_pss_mib"] * 1024 * 1024 < 1.5e9)
+    # a quick run has no not-audited twin, so the audit's share (the target) is not measured
+    assert scale["met"] is None and scale["audit_adds_pss_mib"] is None
 
     runs = results["runs"]
     simulations = [*runs["rounds"], runs["scale"]["audited"]]

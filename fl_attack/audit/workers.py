@@ -18,6 +18,7 @@ and the last one comes back with the ``"timeout"`` result, never as a complete b
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import multiprocessing
 import os
@@ -57,6 +58,10 @@ from .checkpoint import (
 )
 from .memory import release_freed_memory
 from .next_layer_stage import with_next_layer
+
+#: The worker process's name in ``ps`` and ``/proc/<pid>/comm`` (a forked worker's command line is
+#: the server's own).
+WORKER_PROCESS_NAME = "fl-attack-work"
 
 #: How often an idle worker process checks that the server that started it is still alive.
 PARENT_CHECK_SECONDS = 1.0
@@ -371,6 +376,7 @@ def _worker_main(connection: Connection, attacker: LayerAttack, priority: str = 
     """Worker loop: receive ``(update, batch_size, time_budget, checkpoint)``, send pickled
     results; the attack's partial results go to the file ``checkpoint`` meanwhile."""
     _yield_the_cores(priority)
+    _name_this_process(WORKER_PROCESS_NAME)
     # Ctrl-C reaches the whole process group: the server handles it and stops its workers (a
     # forked worker would otherwise run the server's own handler)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -398,6 +404,17 @@ def _worker_main(connection: Connection, attacker: LayerAttack, priority: str = 
             kind = "out-of-memory" if is_out_of_memory(error) else "error"
             _release_accelerator_memory()
             connection.send((kind, f"{type(error).__name__}: {error}", traceback.format_exc()))
+
+
+def _name_this_process(name: str) -> None:
+    """Set the calling process's name as ``ps`` shows it (Linux; elsewhere nothing happens)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _fork_from_a_fresh_thread(process: Any) -> None:

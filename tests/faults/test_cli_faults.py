@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from fl_attack.audit.workers import WORKER_PROCESS_NAME
+
 REPOSITORY = Path(__file__).resolve().parents[2]
 #: Below Ray's smallest object store (75 MiB): refused before Ray starts.
 TINY_LIMIT = 64 * 1024
@@ -110,10 +112,18 @@ def audit(tmp_path: Path) -> Iterator[Start]:
         process.communicate()
 
 
+def _comm(pid: int) -> str:
+    """The process's name (``/proc/<pid>/comm``), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _wait_for(process: subprocess.Popen[str], marker: str, needle: str, *, seconds: float) -> None:
-    """Wait until a process of the run has ``needle`` in its command line."""
+    """Wait until a process of the run has ``needle`` in its command line, or as its name."""
     deadline = time.monotonic() + seconds
-    while not any(needle in _cmdline(pid) for pid in _marked(marker)):
+    while not any(needle in _cmdline(pid) or needle == _comm(pid) for pid in _marked(marker)):
         assert process.poll() is None, process.communicate()[1][-3000:]
         assert time.monotonic() < deadline, f"no {needle} process started"
         time.sleep(0.2)
@@ -203,6 +213,6 @@ def test_sigterm_while_ray_starts_stops_everything_within_seconds(audit: Start, 
 @pytest.mark.slow  # a whole audit runs up to its first attack
 def test_sigterm_while_clients_train_and_workers_attack_stops_everything(audit: Start) -> None:
     process, marker, run = audit(UNLIMITED, f"{SETTINGS} num-server-rounds=2 attack-time-budget=30")
-    _wait_for(process, marker, "multiprocessing.spawn", seconds=240)  # an attack worker is running
+    _wait_for(process, marker, WORKER_PROCESS_NAME, seconds=240)  # an attack worker is running
     time.sleep(1.0)
     _assert_stopped_cleanly(process, marker, run, within=30)
