@@ -410,11 +410,8 @@ def _name_this_process(name: str) -> None:
     """Set the calling process's name as ``ps`` shows it (Linux; elsewhere nothing happens)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, AttributeError):  # the name is only cosmetic
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 def _fork_from_a_fresh_thread(process: Any) -> None:
