@@ -15,6 +15,7 @@ import pickle
 import re
 import signal
 import stat
+import sys
 import threading
 import time
 import types
@@ -30,6 +31,7 @@ from fl_attack.attacks import LayerAttackBase
 from fl_attack.audit import AttackSettings, Auditor, ClientIdentity, ClientUpdate, ExecutionSettings, workers
 from fl_attack.audit import checkpoint as checkpoint_module
 from fl_attack.audit.checkpoint import TEMPORARY_SUFFIX, CheckpointFile, read_checkpoint
+from fl_attack.audit.ray_progress import TaskProgress, read_board
 from fl_attack.audit.units import attack_summary
 from fl_attack.audit.verdict import decide_verdict
 from fl_attack.progress import report_progress, reporting_to
@@ -164,6 +166,143 @@ def test_an_attack_killed_at_its_timeout_keeps_its_last_checkpoint(
     if isolation == "process":
         checkpoints = auditor.runner._checkpoints  # pylint: disable=protected-access
         assert checkpoints is None  # closed: the private checkpoints are gone with the runner
+
+
+class RayCheckpointingAttacker(LayerAttackBase):
+    """Reports :data:`FIRST` then :data:`SECOND`, then hangs until its Ray task is cancelled."""
+
+    def attack(self, update: LayerUpdate[np.ndarray], /, **options: Any) -> Reconstruction:
+        report_progress(FIRST)
+        report_progress(SECOND)
+        time.sleep(120.0)
+        raise TimeoutError("the Ray task was not cancelled")
+
+
+@pytest.fixture(name="local_ray", scope="module")
+def _local_ray() -> Any:
+    ray = pytest.importorskip("ray")
+    try:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    except Exception as error:  # pragma: no cover - depends on the machine
+        pytest.skip(f"Ray cannot start here: {error}")
+    # pytest imports this module from tests/ by its bare name, which a Ray worker cannot import:
+    # its attackers travel by value
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)
+    yield ray
+    ray.cloudpickle.unregister_pickle_by_value(module)
+    ray.shutdown()
+
+
+def _gate_ray_wait(monkeypatch: pytest.MonkeyPatch, ray: Any, runner: Any) -> None:
+    """The runner's wait for the task starts once its board holds :data:`SECOND` (the module
+    docstring's gate: the task's worker first imports the attack, seconds on a busy machine)."""
+    wait = ray.wait
+
+    def gated_wait(references: list[Any], **options: Any) -> Any:
+        deadline = time.monotonic() + 300.0
+        while time.monotonic() < deadline:
+            partial = read_board(runner._board, runner._jobs).partial  # pylint: disable=protected-access
+            if partial is not None and partial.stats["directions_found"] == 2:
+                return wait(references, **options)
+            if wait(references, timeout=0)[0]:  # the task ended without checkpointing: let it fail
+                return wait(references, **options)
+            time.sleep(0.2)
+        raise AssertionError("the Ray task never checkpointed")
+
+    monkeypatch.setattr(ray, "wait", gated_wait)
+
+
+@pytest.mark.slow  # starts a local Ray: about 30 s on a busy 2-core machine
+def test_a_ray_task_cancelled_at_its_timeout_keeps_its_last_checkpoint(
+    local_ray: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ReconstructionStore.create(tmp_path / "run")
+    auditor = Auditor(
+        RayCheckpointingAttacker(),
+        store=store,
+        attack=AttackSettings(timeout=TIMEOUT),
+        execution=ExecutionSettings(backend="ray", attack_cpus=1.0),
+    )
+    runner = auditor.runner
+    _gate_ray_wait(monkeypatch, local_ray, runner)
+    global_arrays = _global_arrays()
+    update = ClientUpdate(
+        identity=ClientIdentity(node_id=11, partition_id=0), arrays=_client_arrays(global_arrays, 0)
+    )
+    try:
+        auditor.start_round(1, global_arrays)
+        (record,) = auditor.audit_round(1, [update])
+        board = runner._board  # pylint: disable=protected-access
+    finally:
+        auditor.close()
+
+    assert (record.status, record.verdict) == ("timeout", "timeout")
+    cpu = r"it got \d+(\.\d)? s of CPU in \d+(\.\d)? s of wall time"  # the task ran on this node
+    assert re.fullmatch(
+        rf"attack did not finish within the 2 s timeout \(Ray task cancelled; {cpu}\)", record.error or ""
+    )
+    assert (
+        record.verdict_reason
+        == f"{record.error}; 2 of 3 rows found so far are kept, not verified as the batch"
+    )
+    (row,) = load_table(store.table_path)
+    assert (row["status"], row["verdict"], row["complete"]) == ("timeout", "timeout", "False")
+    directory = store.directory / row["directory"]
+    np.testing.assert_array_equal(np.load(directory / INPUTS_FILE), SECOND.inputs.numpy())
+    metrics = json.loads((directory / METRICS_FILE).read_text(encoding="utf-8"))
+    assert metrics["complete"] is False and metrics["attack"]["partial"] is True
+    assert runner._board is None  # pylint: disable=protected-access
+    with pytest.raises(local_ray.exceptions.RayActorError):  # closed: the board is gone
+        local_ray.get(board.latest.remote(1), timeout=60.0)
+
+
+@pytest.mark.slow  # starts a local Ray: about 30 s on a busy 2-core machine
+def test_a_ray_task_that_never_started_says_so(local_ray: Any) -> None:
+    from fl_attack.audit.ray_runner import RayAttackRunner
+
+    rng = np.random.default_rng(0)
+    update = LayerUpdate(
+        rng.standard_normal((6, 4)),
+        rng.standard_normal(6),
+        rng.standard_normal((6, 4)),
+        rng.standard_normal(6),
+    )
+    runner = RayAttackRunner(RayCheckpointingAttacker(), num_cpus=2.0)  # more CPUs than Ray has
+    try:
+        result = runner.run(update, timeout=1.0)
+    finally:
+        runner.close()
+    assert result.status == "timeout" and result.reconstruction is None
+    assert re.fullmatch(
+        r"attack did not finish within the 1 s timeout \(Ray task cancelled before it started the attack: "
+        r"it waited for a Ray worker and free resources\)",
+        result.error or "",
+    )
+
+
+def test_a_ray_task_on_another_node_keeps_its_partial_and_says_its_cpu_time_is_unknown() -> None:
+    progress = TaskProgress(start=("another-node", os.getpid(), 0.0), partial=SECOND)
+    assert progress.cpu_seconds(here="this-node") is None  # no /proc of that node here
+    assert progress.cpu_seconds(here="another-node") is not None  # the same process, read on its node
+    result = workers._timed_out(  # pylint: disable=protected-access
+        45.0,
+        45.2,
+        "Ray task cancelled",
+        progress.cpu_seconds(here="this-node"),
+        partial=progress.partial,
+        cpu_unknown=progress.cpu_unknown(here="this-node"),
+    )
+    assert result.error == (
+        "attack did not finish within the 45 s timeout (Ray task cancelled; it ran on another node, so only "
+        "its wall time is known: 45 s)"
+    )
+    assert result.reconstruction is not None and torch.equal(result.reconstruction.inputs, SECOND.inputs)
+    assert result.reconstruction.complete is False
+    unread = TaskProgress(unread="GetTimeoutError: no answer")
+    assert (
+        unread.cpu_unknown(here="this-node") == "its progress could not be read (GetTimeoutError: no answer)"
+    )
 
 
 class SelfKillingAttacker(LayerAttackBase):

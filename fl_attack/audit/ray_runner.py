@@ -2,11 +2,14 @@
 
 Each attack is one task with its own CPU / GPU resources, so a deployment whose audit
 outgrows one machine scales out on Ray. A task that outlives its timeout is cancelled with
-``force=True`` (its worker process is killed), as the local process runner kills its worker.
+``force=True`` (its worker process is killed), as the local process runner kills its worker, and
+keeps what it had found: its partial results wait on the runner's progress board
+(:mod:`fl_attack.audit.ray_progress`), from whichever node it ran on.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 import traceback
@@ -14,28 +17,43 @@ from typing import Any
 
 import numpy as np
 
+from fl_attack.progress import as_partial, reporting_to
 from fl_attack.types import LayerAttack, LayerUpdate
 from fl_attack.vocabulary import STATUS_ERROR, STATUS_KILLED, STATUS_OK, STATUS_OUT_OF_MEMORY
 
+from .ray_progress import TaskProgress, announce, make_board, read_board
 from .workers import AttackResult, AttackRunner, _invert, _success, _timed_out, is_out_of_memory
+
+logger = logging.getLogger(__name__)
 
 #: Seconds ``ray.init`` may take before the audit gives up on Ray (it must never hang a run).
 RAY_START_TIMEOUT = 60.0
 
 
 def _remote_invert(
-    attacker: LayerAttack, update: LayerUpdate[np.ndarray], batch_size: int | None, time_budget: float | None
+    attacker: LayerAttack,
+    update: LayerUpdate[np.ndarray],
+    batch_size: int | None,
+    time_budget: float | None,
+    board: Any = None,
+    job: int = 0,
 ) -> tuple[str, Any, str | None]:
-    """The task body: never raises, so that Ray's own errors mean a lost worker."""
+    """The task body: never raises, so that Ray's own errors mean a lost worker. Its partial
+    results go to ``board`` (None: nowhere) as job ``job``."""
     try:
-        return STATUS_OK, pickle.dumps(_invert(attacker, update, batch_size, time_budget)), None
+        with reporting_to(announce(board, job)):
+            return STATUS_OK, pickle.dumps(_invert(attacker, update, batch_size, time_budget)), None
     except BaseException as error:
         status = STATUS_OUT_OF_MEMORY if is_out_of_memory(error) else STATUS_ERROR
         return status, f"{type(error).__name__}: {error}", traceback.format_exc()
 
 
 class RayAttackRunner(AttackRunner):
-    """Run each attack as a Ray task.
+    """Run each attack as a Ray task; one given up at its timeout keeps its last partial result.
+
+    The tasks report their partial results to one progress board per runner, a Ray actor without
+    CPUs of its own (:mod:`fl_attack.audit.ray_progress`), so a task on any node keeps them; its
+    CPU time is said in the timeout when it ran on the runner's node.
 
     Parameters
     ----------
@@ -66,6 +84,9 @@ class RayAttackRunner(AttackRunner):
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self._task: Any = None
+        self._board: Any = None
+        self._board_failure: str | None = None
+        self._jobs = 0
 
     def _remote(self) -> Any:
         import ray
@@ -83,6 +104,17 @@ class RayAttackRunner(AttackRunner):
             )
         return self._task
 
+    def _progress_board(self) -> Any:
+        """The runner's progress board, made on first use; None when Ray could not make it (the
+        attacks then run without checkpoints, and a timeout says so)."""
+        if self._board is None and self._board_failure is None:
+            try:
+                self._board = make_board()
+            except Exception as error:  # the attack itself can still run
+                self._board_failure = f"no progress board: {type(error).__name__}: {error}"
+                logger.warning("the Ray attack tasks run without checkpoints (%s)", self._board_failure)
+        return self._board
+
     def run(
         self,
         update: LayerUpdate[np.ndarray],
@@ -96,7 +128,10 @@ class RayAttackRunner(AttackRunner):
 
         start = time.perf_counter()
         try:
-            reference = self._remote().remote(self.attacker, update, batch_size, time_budget)
+            task = self._remote()
+            board = self._progress_board()
+            self._jobs += 1
+            reference = task.remote(self.attacker, update, batch_size, time_budget, board, self._jobs)
         except Exception as error:
             return AttackResult(
                 STATUS_ERROR, None, time.perf_counter() - start, f"{type(error).__name__}: {error}"
@@ -104,18 +139,69 @@ class RayAttackRunner(AttackRunner):
         ready, _ = ray.wait([reference], timeout=timeout)
         seconds = time.perf_counter() - start
         if not ready:
-            ray.cancel(reference, force=True)
-            return _timed_out(timeout, seconds, "Ray task cancelled")
+            return self._give_up(reference, timeout, seconds)
         try:
             status, payload, trace = ray.get(reference)
         except (ray.exceptions.WorkerCrashedError, ray.exceptions.TaskCancelledError) as error:
+            partial = self._progress().partial  # the worker is dead: the board no longer changes
             return AttackResult(
-                STATUS_KILLED, None, seconds, f"the attack's Ray worker died: {type(error).__name__}"
+                STATUS_KILLED,
+                None if partial is None else as_partial(partial),
+                seconds,
+                f"the attack's Ray worker died: {type(error).__name__}",
             )
         except ray.exceptions.OutOfMemoryError as error:
             return AttackResult(STATUS_OUT_OF_MEMORY, None, seconds, f"Ray: {error}")
         except ray.exceptions.RayError as error:
             return AttackResult(STATUS_ERROR, None, seconds, f"Ray: {type(error).__name__}: {error}")
+        finally:
+            self._forget()
         if status == STATUS_OK:
             return _success(pickle.loads(payload), seconds)
         return AttackResult(status, None, seconds, payload, trace)
+
+    def _give_up(self, reference: Any, timeout: float | None, seconds: float) -> AttackResult:
+        """Cancel the task at its timeout, with its CPU time (read before it is killed) and the last
+        partial result it reported."""
+        import ray
+
+        progress = self._progress()
+        here = ray.get_runtime_context().get_node_id()
+        cpu = progress.cpu_seconds(here=here)
+        ray.cancel(reference, force=True)
+        self._forget()
+        if progress.start is None and progress.unread is None and self._board is not None:
+            how = (
+                "Ray task cancelled before it started the attack: it waited for a Ray worker and free "
+                "resources"
+            )
+            return _timed_out(timeout, seconds, how)
+        unknown = self._board_failure or progress.cpu_unknown(here=here)
+        return _timed_out(
+            timeout, seconds, "Ray task cancelled", cpu, partial=progress.partial, cpu_unknown=unknown
+        )
+
+    def _progress(self) -> TaskProgress:
+        """What the board holds of the current job (nothing without a board)."""
+        return TaskProgress() if self._board is None else read_board(self._board, self._jobs)
+
+    def _forget(self) -> None:
+        """Let the board drop the current job's partial result (the runner has what it needs)."""
+        if self._board is not None:
+            try:
+                self._board.forget.remote(self._jobs)
+            except Exception as error:  # a lost board holds nothing any more
+                logger.debug("could not clear the progress board: %r", error)
+
+    def close(self) -> None:
+        """Stop the progress board (a later :meth:`run` makes a new one)."""
+        board, self._board, self._board_failure = self._board, None, None
+        if board is None:
+            return
+        import ray
+
+        if ray.is_initialized():
+            try:
+                ray.kill(board)
+            except Exception as error:  # already gone with its node
+                logger.debug("could not stop the progress board: %r", error)

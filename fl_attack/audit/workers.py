@@ -189,14 +189,17 @@ def _timed_out(
     *,
     partial: Reconstruction | None = None,
     runner: str = "it",
+    cpu_unknown: str | None = None,
 ) -> AttackResult:
     """The result of an attack stopped at ``timeout``: with the CPU time ``runner`` (the
-    worker, or the attack's thread) got, and the last partial result it reported."""
-    got = (
-        ""
-        if cpu_seconds is None
-        else f"; {runner} got {_seconds(cpu_seconds)} of CPU in {_seconds(seconds)} of wall time"
-    )
+    worker, the attack's thread or its Ray task) got, or why it is not known (``cpu_unknown``,
+    then only the wall time is said), and the last partial result it reported."""
+    if cpu_seconds is not None:
+        got = f"; {runner} got {_seconds(cpu_seconds)} of CPU in {_seconds(seconds)} of wall time"
+    elif cpu_unknown is not None:
+        got = f"; {cpu_unknown}, so only its wall time is known: {_seconds(seconds)}"
+    else:
+        got = ""
     return AttackResult(
         status=STATUS_TIMEOUT,
         reconstruction=None if partial is None else as_partial(partial),
