@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack import CocktailPartyAttack, get_attack
+from fl_attack import CocktailPartyAttack, Reconstruction, get_attack
+from fl_attack.attacks import cocktail_party
 from fl_attack.pipeline.budget.budget import Budget
+from fl_attack.progress import reporting_to
 
 
 def _mixed_update(b: int, n: int, m: int, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -99,3 +101,54 @@ def test_bad_options_are_named() -> None:
         CocktailPartyAttack(nonlinearity="tanh")
     with pytest.raises(ValueError, match="time_budget must be a positive, finite number of seconds"):
         CocktailPartyAttack(time_budget=0.0)
+
+
+class Collected:
+    """A progress sink that keeps every partial result."""
+
+    def __init__(self) -> None:
+        self.partials: list[Reconstruction] = []
+
+    def report(self, partial: Reconstruction) -> None:
+        self.partials.append(partial)
+
+
+@pytest.mark.parametrize(("unmix", "shape"), [("inputs", (10, 500, 100)), ("gradients", (4, 300, 400))])
+def test_each_reported_estimate_is_what_the_attack_returns_when_stopped_there(
+    unmix: str, shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cocktail_party, "PROGRESS_EVERY_SECONDS", 0.0)  # report after every iteration
+    monkeypatch.setattr(cocktail_party, "PROGRESS_COST_FACTOR", 0.0)
+    dw, db, weight, bias, _ = _mixed_update(*shape, seed=4)
+    b = shape[0]
+    attack = CocktailPartyAttack(max_iter=6, tolerance=1e-300, unmix=unmix)
+    collected = Collected()
+    with reporting_to(collected):
+        watched = attack.invert(dw, db, weight=weight, bias=bias, batch_size=b)
+    plain = attack.invert(dw, db, weight=weight, bias=bias, batch_size=b)
+    assert torch.equal(watched.inputs, plain.inputs) and torch.equal(watched.confidence, plain.confidence)
+
+    assert [partial.stats["ica_iterations"] for partial in collected.partials] == [1, 2, 3, 4, 5]
+    for partial in collected.partials:
+        iterations = partial.stats["ica_iterations"]
+        stopped = CocktailPartyAttack(max_iter=iterations, tolerance=1e-300, unmix=unmix).invert(
+            dw, db, weight=weight, bias=bias, batch_size=b
+        )
+        assert stopped.stats["stopped_by"] == "max_iter"
+        assert torch.equal(partial.inputs, stopped.inputs)  # only rows the attack returns anyway
+        assert torch.equal(partial.confidence, stopped.confidence)
+        assert partial.complete is False and partial.self_check is None and partial.batch_size == b
+        assert partial.stats["partial"] is True and partial.stats["unmixed"] == unmix
+        assert partial.stats["approximate"] is True and partial.found == 0  # never rows found one by one
+        assert "stopped_by" not in partial.stats  # it had not stopped
+
+
+def test_reports_are_spaced_by_the_reporting_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cocktail_party, "PROGRESS_EVERY_SECONDS", 60.0)
+    dw, db, weight, bias, _ = _mixed_update(10, 500, 100, seed=4)
+    collected = Collected()
+    with reporting_to(collected):
+        CocktailPartyAttack(max_iter=6, tolerance=1e-300, unmix="inputs").invert(
+            dw, db, weight=weight, bias=bias, batch_size=10
+        )
+    assert [partial.stats["ica_iterations"] for partial in collected.partials] == [1]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fl_attack import SpearPlusPlus
+from fl_attack import CocktailPartyAttack, LayerUpdate, Reconstruction, SpearPlusPlus
+from fl_attack.attacks import LayerAttackBase
 from fl_attack.audit import (
     AttackSettings,
     Auditor,
@@ -17,12 +21,13 @@ from fl_attack.audit import (
     ClientUpdate,
     ExecutionSettings,
     GroundTruth,
+    workers,
 )
 from fl_attack.audit.fallback import fallback_verdict
 from fl_attack.audit.workers import AttackResult
 from fl_attack.evaluation.scoring import ReconstructionScorer
 from fl_attack.results.report import load_summary, write_report
-from fl_attack.results.store import ReconstructionStore, load_table
+from fl_attack.results.store import INPUTS_FILE, METRICS_FILE, ReconstructionStore, load_table
 from strategies.factory import build_auditor
 from tests.synthetic_layer import relu_layer_update
 
@@ -165,3 +170,113 @@ def test_the_fallback_verdict_is_never_exact() -> None:
     )
     with pytest.raises(ValueError, match="fallback must be an attack name"):
         AttackSettings(fallback=42)  # type: ignore[arg-type]
+
+
+class GivingUpAttacker(LayerAttackBase):
+    """An exact attack that fails at once, so that the fallback runs."""
+
+    name = "giving-up"
+
+    def attack(self, update: LayerUpdate[np.ndarray], /, **options: Any) -> Reconstruction:
+        raise ValueError("the exact attack gives up")
+
+
+class CheckpointGate:
+    """A fallback worker's pipe: the runner's wait for the result starts once the attack has
+    checkpointed (a worker at low priority on a busy machine may take long to get there)."""
+
+    def __init__(self, inner: Any, runner: workers.ProcessAttackRunner) -> None:
+        self.inner, self.runner = inner, runner
+
+    def poll(self, timeout: float | None = None) -> bool:
+        runner = self.runner
+        checkpoint = runner._checkpoints / f"job-{runner._jobs}.pickle"  # type: ignore[operator]  # pylint: disable=protected-access
+        deadline = time.monotonic() + 300.0
+        while not checkpoint.exists():
+            if self.inner.poll(0.1):  # it ended without a checkpoint: the test fails on its result
+                return True
+            assert time.monotonic() < deadline, "the fallback never checkpointed"
+        return bool(self.inner.poll(timeout))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_fallback_stopped_at_its_timeout_keeps_its_last_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = workers.ProcessAttackRunner._start  # pylint: disable=protected-access
+
+    def gated_start(runner: workers.ProcessAttackRunner) -> str | None:
+        failure = start(runner)
+        if failure is None and isinstance(runner.attacker, CocktailPartyAttack):
+            runner._connection = CheckpointGate(runner._connection, runner)  # type: ignore[assignment]  # pylint: disable=protected-access
+        return failure
+
+    monkeypatch.setattr(workers.ProcessAttackRunner, "_start", gated_start)
+    global_arrays, update, inputs = _update(b=6, width=200)
+    endless = {"max_iter": 10**7, "tolerance": 1e-300, "unmix": "inputs"}  # ICA never converges
+    auditor = Auditor(
+        GivingUpAttacker(),
+        store=ReconstructionStore.create(tmp_path / "run"),
+        scorer=_scorer(inputs),
+        attack=AttackSettings(timeout=2.0, fallback=CocktailPartyAttack(**endless)),
+        execution=ExecutionSettings(isolation="process", priority="low"),
+    )
+    primary, second = _audit(auditor, global_arrays, update)
+
+    assert primary.status == "error" and second.attack["attack"] == "cocktail-party"
+    assert (second.status, second.verdict) == ("timeout", "timeout")
+    kept = re.fullmatch(
+        rf"the cocktail-party fallback \(after the exact attack's verdict {primary.verdict}\) did not finish: "
+        r"attack did not finish within the 2 s timeout \(worker killed; it got [\d.]+ s of CPU in [\d.]+ s "
+        r"of wall time\); its last estimate of 6 inputs after (\d+) ICA iterations is kept, approximate "
+        r"\(it has no self-check\)",
+        second.verdict_reason,
+    )
+    assert kept is not None, second.verdict_reason
+    assert second.attack["complete"] is False and second.attack["partial"] is True
+    assert len(second.psnr) == 6  # the kept estimate is scored like any reconstruction
+
+    # the kept rows are exactly what the attack returns when its ICA stops after those iterations
+    delta = {
+        name: update.arrays[name].astype(np.float64) - global_arrays[name].astype(np.float64)
+        for name in ("fc.weight", "fc.bias")
+    }
+    stopped = CocktailPartyAttack(**{**endless, "max_iter": int(kept.group(1))}).invert(
+        delta["fc.weight"],
+        delta["fc.bias"],
+        weight=global_arrays["fc.weight"],
+        bias=global_arrays["fc.bias"],
+        batch_size=6,
+    )
+    (_, row) = load_table(auditor.store.table_path)  # type: ignore[union-attr]
+    directory = auditor.store.directory / row["directory"]  # type: ignore[union-attr]
+    np.testing.assert_array_equal(np.load(directory / INPUTS_FILE), stopped.inputs.numpy())
+    metrics = json.loads((directory / METRICS_FILE).read_text(encoding="utf-8"))
+    assert (row["verdict"], metrics["complete"]) == ("timeout", False)
+
+
+def test_a_timed_out_or_killed_fallback_says_what_it_kept() -> None:
+    estimate = Reconstruction(
+        inputs=torch.zeros(4, 3, dtype=torch.float64),
+        batch_size=4,
+        sparsity_matching=float("nan"),
+        complete=False,
+        confidence=torch.zeros(4, dtype=torch.float64),
+        seconds=1.0,
+        stats={"ica_iterations": 17, "partial": True, "approximate": True},
+    )
+    summary = estimate.summary()
+    timed_out = AttackResult(status="timeout", reconstruction=estimate, seconds=9.0, error="did not finish")
+    verdict, reason = fallback_verdict("cocktail-party", timed_out, summary, primary_verdict="failed")
+    assert (verdict, reason) == (
+        "timeout",
+        "the cocktail-party fallback (after the exact attack's verdict failed) did not finish: did not finish; "
+        "its last estimate of 4 inputs after 17 ICA iterations is kept, approximate (it has no self-check)",
+    )
+    killed = AttackResult(status="killed", reconstruction=estimate, seconds=9.0, error="SIGKILL")
+    verdict, reason = fallback_verdict("cocktail-party", killed, summary, primary_verdict="failed")
+    assert verdict == "failed" and reason.endswith(
+        "failed: SIGKILL; its last estimate of 4 inputs after 17 ICA iterations is kept, approximate (it has no self-check)"
+    )

@@ -376,6 +376,21 @@ def test_a_timeout_without_a_checkpoint_keeps_nothing_and_says_so() -> None:
             {"partial": True, "batch_size": 0, "directions_found": 0, "stop_reason": "the SVD did not fit"},
             "the batch size was not estimated before the limit (the SVD did not fit)",
         ),
+        (
+            {"partial": True, "batch_size": 0, "directions_found": 0},
+            "the batch size was not estimated before the limit",
+        ),
+        (  # the Cocktail Party as the exact attack: an estimate of every row, none found one by one
+            {
+                "partial": True,
+                "batch_size": 6,
+                "directions_found": 0,
+                "approximate": True,
+                "ica_iterations": 12,
+            },
+            "its last estimate of the 6 rows after 12 ICA iterations is kept, approximate (it has no "
+            "self-check)",
+        ),
     ],
 )
 def test_the_timeout_reason_says_how_many_rows_were_kept(attack: dict[str, Any], kept: str) -> None:

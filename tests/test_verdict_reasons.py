@@ -166,3 +166,16 @@ def test_a_budget_spent_before_the_batch_size_was_estimated_says_so() -> None:
         "the attack spent its whole 20 s budget: the batch size was not estimated "
         "(the decomposition ended past its share of the time budget)"
     )
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "why"),
+    [("the spectrum had no gap", "the spectrum had no gap"), (None, "the attack reported no batch size")],
+)
+def test_an_attack_that_estimated_no_batch_size_says_so_and_why(stop_reason: str | None, why: str) -> None:
+    stats = {"batch_size": 0, "directions_found": 0, "stopped_by": "no_improvement"}
+    if stop_reason is not None:
+        stats["stop_reason"] = stop_reason
+    verdict, reason = _reason(stats)
+    assert "0 of 0" not in reason and "batch of 0" not in reason
+    assert (verdict, reason) == ("failed", f"no sample recovered: the batch size was not estimated ({why})")

@@ -28,6 +28,8 @@ Beyond the paper, the scale and sign of every source are fixed exactly as SPEAR 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,7 @@ from fl_attack.attacks.base import LayerAttackBase
 from fl_attack.attacks.fast_ica import NONLINEARITIES, IcaResult, principal_subspace, symmetric_fastica
 from fl_attack.pipeline.budget.budget import Budget, Deadline
 from fl_attack.pipeline.spectrum.decompose import estimate_batch_size
+from fl_attack.progress import ActiveSink, active_sink
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, LayerUpdate, ObservedUpdate
 from fl_attack.validation import check_batch_size, check_time_budget, resolve_device
@@ -51,6 +54,12 @@ GRADIENT_SIDE_MIN_NEURONS_PER_SOURCE = 40
 #: The fixed-point iterations run in float32 from this many sources on (about twice as fast;
 #: the unmixing is re-orthogonalised and applied in float64).
 FLOAT32_FROM_SOURCES = 64
+#: Under a progress sink (:mod:`fl_attack.progress`), the current estimate is reported after the
+#: first ICA iteration, then once both this many seconds and :data:`PROGRESS_COST_FACTOR` times
+#: the last report's own time have passed: a report unmixes the update (with a least-squares
+#: solve on the gradient side), and reports take at most 1/20 of the attack's time.
+PROGRESS_EVERY_SECONDS = 1.0
+PROGRESS_COST_FACTOR = 20.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,103 @@ class _Unmixed:
     sources: torch.Tensor  # (b, observations): what ICA made non-Gaussian
     ica: IcaResult
     side: str
+
+
+@dataclass(frozen=True)
+class _InputSide:
+    """Sources are the (centred) inputs; observations are the ``n`` input coordinates."""
+
+    whitened: torch.Tensor  # (b, n)
+    left: torch.Tensor  # (m, b)
+    values: torch.Tensor  # (b,)
+    row_means: torch.Tensor  # (m,)
+    db: torch.Tensor  # (m,)
+    name: str = "inputs"
+
+    def finish(self, unmixing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(b, n)`` inputs and ``(b, n)`` sources of ICA's ``unmixing``."""
+        n = self.whitened.shape[1]
+        unmixing = _nearest_orthogonal(unmixing.double())
+        sources = unmixing @ self.whitened
+        # dW - row_means 1^T = left diag(values / sqrt(n)) unmixing^T sources; that mixing's
+        # pseudo-inverse is unmixing diag(sqrt(n) / values) left^T
+        unmix_rows = unmixing @ ((math.sqrt(n) / self.values)[:, None] * self.left.T)
+        source_means = unmix_rows @ self.row_means
+        inputs = (sources + source_means[:, None]) / _safe(unmix_rows @ self.db)[:, None]
+        return inputs, sources
+
+
+@dataclass(frozen=True)
+class _GradientSide:
+    """Sources are the output-gradient columns ``g_i``; observations are the ``m`` neurons."""
+
+    whitened: torch.Tensor  # (b, m)
+    right_left: torch.Tensor  # (n, b): the left singular vectors of (dW - 1 mean^T)^T
+    values: torch.Tensor  # (b,)
+    dw: torch.Tensor  # (m, n)
+    db: torch.Tensor  # (m,)
+    name: str = "gradients"
+
+    def finish(self, unmixing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(b, n)`` inputs and ``(b, m)`` sources of ICA's ``unmixing``."""
+        m = self.dw.shape[0]
+        unmixing = _nearest_orthogonal(unmixing.double())
+        # dW - 1 mean^T = sources^T unscaled with unscaled = unmixing diag(values) V^T / sqrt(m)
+        unscaled = unmixing @ (self.values[:, None] * self.right_left.T) / math.sqrt(m)  # (b, n)
+        coefficients = torch.linalg.lstsq(unscaled.T, self.dw.T).solution.T  # (m, b): dW ~= G' unscaled
+        inverse_scales = torch.linalg.lstsq(coefficients, self.db[:, None]).solution[:, 0]
+        return unscaled / _safe(inverse_scales)[:, None], unmixing @ self.whitened
+
+
+#: One side of the update prepared for ICA: its whitened data, centred, uncorrelated, unit-variance
+#: ``(b, observations)`` rows, and ``finish``: the inputs and sources of an unmixing.
+_Side = _InputSide | _GradientSide
+
+
+class _EstimateReporter:
+    """Reports the current unmixing's inputs to the installed progress sink while ICA runs.
+
+    Only what the attack would return had its budget ended there (the same rows, statistics and
+    confidences, never complete), so a run stopped at its hard limit keeps them.
+    """
+
+    def __init__(self, sink: ActiveSink, *, b: int, stats: dict[str, Any]) -> None:
+        self.sink = sink
+        self.b = b
+        self.stats = stats
+        self._next = 0.0  # perf_counter() before which no report is built
+
+    def watch(self, side: _Side, tried: list[str]) -> Callable[[torch.Tensor, int, float], None]:
+        """The ICA loop's ``after_iteration`` for ``side`` (``tried``: the sides tried so far)."""
+
+        def after_iteration(unmixing: torch.Tensor, iterations: int, change: float) -> None:
+            began = time.perf_counter()
+            if began < self._next:
+                return
+            inputs, sources = side.finish(unmixing)
+            stats = {
+                **self.stats,
+                "unmixed": side.name,
+                "sides_tried": ",".join(tried),
+                "ica_iterations": iterations,
+                "ica_change": change,
+                "partial": True,
+            }
+            self.sink.report(
+                Reconstruction(
+                    inputs=inputs.detach().cpu().contiguous(),
+                    batch_size=self.b,
+                    sparsity_matching=float("nan"),
+                    complete=False,
+                    confidence=_non_gaussianity(sources).detach().cpu(),
+                    seconds=self.sink.seconds(),
+                    stats=stats,
+                )
+            )
+            took = time.perf_counter() - began
+            self._next = began + max(PROGRESS_EVERY_SECONDS, PROGRESS_COST_FACTOR * took)
+
+        return after_iteration
 
 
 class CocktailPartyAttack(LayerAttackBase):
@@ -160,105 +266,106 @@ class CocktailPartyAttack(LayerAttackBase):
             raise ValueError(f"batch size {batch_size} is not in [1, min(m, n) = {min(m, n)}]")
         b = batch_size if batch_size is not None else _estimated_batch_size(dw)
         generator = torch.Generator().manual_seed(self.seed)
+        stats: dict[str, Any] = {
+            "attack": self.name,
+            "approximate": True,
+            "nonlinearity": self.nonlinearity,
+            "directions_found": 0,
+        }
+        if budget.seconds is not None:
+            stats["time_budget"] = budget.seconds
+        sink = active_sink()
+        reporter = None if sink is None else _EstimateReporter(sink, b=b, stats=stats)
         tried: list[str] = []
         unmixed: _Unmixed | None = None
         wants_gradients = self.unmix == "gradients" or (
             self.unmix == "auto" and m >= GRADIENT_SIDE_MIN_NEURONS_PER_SOURCE * b
         )
         if wants_gradients:
-            unmixed = self._unmix_gradients(dw, db, b, generator=generator, deadline=deadline)
-            tried.append(unmixed.side)
+            side: _Side = _gradient_side(dw, db, b, generator=generator)
+            unmixed = self._unmix(side, tried, generator=generator, deadline=deadline, reporter=reporter)
         if unmixed is None or (self.unmix == "auto" and unmixed.ica.stopped_by == "max_iter"):
-            unmixed = self._unmix_inputs(dw, db, b, generator=generator, deadline=deadline)
-            tried.append(unmixed.side)
-        centred = unmixed.sources - unmixed.sources.mean(dim=1, keepdim=True)
-        kurtosis = ((centred**4).mean(dim=1) / centred.var(dim=1, unbiased=False) ** 2 - 3.0).abs()
-        stats: dict[str, Any] = {
-            "attack": self.name,
-            "approximate": True,
-            "unmixed": unmixed.side,
-            "sides_tried": ",".join(tried),
-            "ica_iterations": unmixed.ica.iterations,
-            "ica_change": unmixed.ica.change,
-            "stopped_by": unmixed.ica.stopped_by,
-            "budget_exhausted": unmixed.ica.stopped_by == "time_budget",
-            "nonlinearity": self.nonlinearity,
-            "directions_found": 0,
-        }
-        if budget.seconds is not None:
-            stats["time_budget"] = budget.seconds
+            side = _input_side(dw, db, b, generator=generator)
+            unmixed = self._unmix(side, tried, generator=generator, deadline=deadline, reporter=reporter)
+        stats.update(
+            {
+                "unmixed": unmixed.side,
+                "sides_tried": ",".join(tried),
+                "ica_iterations": unmixed.ica.iterations,
+                "ica_change": unmixed.ica.change,
+                "stopped_by": unmixed.ica.stopped_by,
+                "budget_exhausted": unmixed.ica.stopped_by == "time_budget",
+            }
+        )
         return Reconstruction(
             inputs=unmixed.inputs.detach().cpu().contiguous(),
             batch_size=b,
             sparsity_matching=float("nan"),
             complete=False,
-            confidence=(kurtosis / (1.0 + kurtosis)).detach().cpu(),
+            confidence=_non_gaussianity(unmixed.sources).detach().cpu(),
             seconds=budget.elapsed(),
             stats=stats,
         )
 
-    def _ica(self, whitened: torch.Tensor, *, generator: torch.Generator, deadline: Deadline) -> IcaResult:
-        return symmetric_fastica(
+    def _unmix(
+        self,
+        side: _Side,
+        tried: list[str],
+        *,
+        generator: torch.Generator,
+        deadline: Deadline,
+        reporter: _EstimateReporter | None,
+    ) -> _Unmixed:
+        """Run ICA on ``side`` (appended to ``tried``), reporting its estimates to ``reporter``."""
+        tried.append(side.name)
+        whitened = side.whitened
+        ica = symmetric_fastica(
             whitened.float() if whitened.shape[0] >= FLOAT32_FROM_SOURCES else whitened,
             nonlinearity=self.nonlinearity,
             max_iter=self.max_iter,
             tolerance=self.tolerance,
             generator=generator,
             deadline=deadline,
+            after_iteration=None if reporter is None else reporter.watch(side, list(tried)),
         )
+        inputs, sources = side.finish(ica.unmixing)
+        return _Unmixed(inputs=inputs, sources=sources, ica=ica, side=side.name)
 
-    def _unmix_inputs(
-        self,
-        dw: torch.Tensor,
-        db: torch.Tensor,
-        b: int,
-        *,
-        generator: torch.Generator,
-        deadline: Deadline,
-    ) -> _Unmixed:
-        """Sources are the (centred) inputs; observations are the ``n`` input coordinates."""
-        n = dw.shape[1]
-        row_means = dw.mean(dim=1)
-        subspace = principal_subspace(dw - row_means[:, None], rank=b, generator=generator)
-        left, values = subspace.left, _check_rank(subspace.singular_values, b)
-        whitened = math.sqrt(n) * subspace.right.T  # (b, n): centred, uncorrelated, unit-variance rows
-        ica = self._ica(whitened, generator=generator, deadline=deadline)
-        unmixing = _nearest_orthogonal(ica.unmixing.double())
-        sources = unmixing @ whitened
-        # dW - row_means 1^T = left diag(values / sqrt(n)) unmixing^T sources; that mixing's
-        # pseudo-inverse is unmixing diag(sqrt(n) / values) left^T
-        unmix_rows = unmixing @ ((math.sqrt(n) / values)[:, None] * left.T)
-        source_means = unmix_rows @ row_means
-        inputs = (sources + source_means[:, None]) / _safe(unmix_rows @ db)[:, None]
-        return _Unmixed(inputs=inputs, sources=sources, ica=ica, side="inputs")
 
-    def _unmix_gradients(
-        self,
-        dw: torch.Tensor,
-        db: torch.Tensor,
-        b: int,
-        *,
-        generator: torch.Generator,
-        deadline: Deadline,
-    ) -> _Unmixed:
-        """Sources are the output-gradient columns ``g_i``; observations are the ``m`` neurons."""
-        m = dw.shape[0]
-        neuron_mean = dw.mean(dim=0)
-        subspace = principal_subspace((dw - neuron_mean).T, rank=b, generator=generator)
-        values = _check_rank(subspace.singular_values, b)
-        whitened = math.sqrt(m) * subspace.right.T  # (b, m)
-        ica = self._ica(whitened, generator=generator, deadline=deadline)
-        unmixing = _nearest_orthogonal(ica.unmixing.double())
-        # dW - 1 mean^T = sources^T unscaled with unscaled = unmixing diag(values) V^T / sqrt(m)
-        unscaled = unmixing @ (values[:, None] * subspace.left.T) / math.sqrt(m)  # (b, n)
-        coefficients = torch.linalg.lstsq(unscaled.T, dw.T).solution.T  # (m, b): dW ~= G' unscaled
-        inverse_scales = torch.linalg.lstsq(coefficients, db[:, None]).solution[:, 0]
-        return _Unmixed(
-            inputs=unscaled / _safe(inverse_scales)[:, None],
-            sources=unmixing @ whitened,
-            ica=ica,
-            side="gradients",
-        )
+def _input_side(dw: torch.Tensor, db: torch.Tensor, b: int, *, generator: torch.Generator) -> _InputSide:
+    """The input side's whitened data: the top-``b`` right singular vectors of the row-centred update."""
+    n = dw.shape[1]
+    row_means = dw.mean(dim=1)
+    subspace = principal_subspace(dw - row_means[:, None], rank=b, generator=generator)
+    values = _check_rank(subspace.singular_values, b)
+    return _InputSide(
+        whitened=math.sqrt(n) * subspace.right.T,
+        left=subspace.left,
+        values=values,
+        row_means=row_means,
+        db=db,
+    )
+
+
+def _gradient_side(
+    dw: torch.Tensor, db: torch.Tensor, b: int, *, generator: torch.Generator
+) -> _GradientSide:
+    """The gradient side's whitened data: the top-``b`` right singular vectors of the neuron-centred
+    update's transpose."""
+    m = dw.shape[0]
+    neuron_mean = dw.mean(dim=0)
+    subspace = principal_subspace((dw - neuron_mean).T, rank=b, generator=generator)
+    values = _check_rank(subspace.singular_values, b)
+    return _GradientSide(
+        whitened=math.sqrt(m) * subspace.right.T, right_left=subspace.left, values=values, dw=dw, db=db
+    )
+
+
+def _non_gaussianity(sources: torch.Tensor) -> torch.Tensor:
+    """Each source's excess kurtosis magnitude, squashed to [0, 1) (the rows' confidence)."""
+    centred = sources - sources.mean(dim=1, keepdim=True)
+    kurtosis = ((centred**4).mean(dim=1) / centred.var(dim=1, unbiased=False) ** 2 - 3.0).abs()
+    return kurtosis / (1.0 + kurtosis)
 
 
 def _estimated_batch_size(dw: torch.Tensor) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,7 @@ def symmetric_fastica(
     tolerance: float = 1e-4,
     generator: torch.Generator,
     deadline: Deadline = Deadline.never(),
+    after_iteration: Callable[[torch.Tensor, int, float], None] | None = None,
 ) -> IcaResult:
     """Find the orthogonal unmixing of ``whitened`` that makes its rows maximally non-Gaussian.
 
@@ -160,6 +162,9 @@ def symmetric_fastica(
     deadline : Deadline (default: ``Deadline.never()``)
         Not to be passed: no iteration starts when the last one's duration would carry it past
         the deadline.
+    after_iteration : callable or None (default: None)
+        Called after every iteration that does not end the loop with the unmixing so far, the
+        iterations run and the last change; it must not change the unmixing.
 
     Returns
     -------
@@ -190,4 +195,6 @@ def symmetric_fastica(
             return IcaResult(
                 unmixing=unmixing, iterations=iteration + 1, change=change, stopped_by="converged"
             )
+        if after_iteration is not None and iteration + 1 < max_iter:
+            after_iteration(unmixing, iteration + 1, change)
     return IcaResult(unmixing=unmixing, iterations=max_iter, change=change, stopped_by="max_iter")

@@ -4,8 +4,10 @@ When the exact attack's verdict is ``approximate``, ``failed``, ``timeout`` or
 ``not-applicable``, the auditor runs the fallback attack (by default the Cocktail Party
 Attack, ``cocktail-party``) on the same observed update, in the same worker (off the round's
 critical path when the auditor has a pool), and stores it as a record of its own: same round
-and client, ``attack = <fallback name>``, verdict ``approximate`` when it returned inputs and
-``failed`` otherwise, never ``exact``. It is scored by the auditor's scorer like any attack.
+and client, ``attack = <fallback name>``, verdict ``approximate`` when it returned inputs,
+``timeout`` when it was stopped at its hard limit with an estimate kept (the Cocktail Party
+Attack hands back its current estimate while ICA iterates, :mod:`fl_attack.progress`), and
+``failed`` otherwise; never ``exact``. It is scored by the auditor's scorer like any attack.
 
 An update with nothing to unmix gets no fallback: one the exact attack recovered exactly, a
 dropped or unreadable one (never attacked), an all-zero one, one whose spectrum already ruled
@@ -30,6 +32,7 @@ from fl_attack.vocabulary import (
     STATUS_ERROR,
     STATUS_NOT_RUN,
     STATUS_OK,
+    STATUS_TIMEOUT,
     VERDICT_APPROXIMATE,
     VERDICT_FAILED,
     VERDICT_NOT_APPLICABLE,
@@ -268,14 +271,25 @@ class AttackFallback:
 def fallback_verdict(
     name: str, result: AttackResult, summary: Mapping[str, Any], *, primary_verdict: str | None
 ) -> tuple[str, str]:
-    """The fallback's verdict and reason: ``approximate`` when it returned inputs, else ``failed``.
+    """The fallback's verdict and reason: ``approximate`` when it returned inputs, ``timeout`` when
+    it was stopped at its hard limit with its last estimate kept, else ``failed``.
 
     It is never ``exact``: an approximate attack has no self-check that could confirm one.
     """
     after = f"after the exact attack's verdict {primary_verdict}"
-    if result.status != STATUS_OK:
-        return VERDICT_FAILED, f"the {name} fallback ({after}) failed: {result.error}"
     b = summary.get("batch_size", "?")
+    if result.status != STATUS_OK:
+        if result.reconstruction is None:
+            return VERDICT_FAILED, f"the {name} fallback ({after}) failed: {result.error}"
+        iterations = summary.get("ica_iterations")
+        kept = (
+            f"; its last estimate of {b} inputs"
+            + ("" if iterations is None else f" after {iterations} ICA iterations")
+            + " is kept, approximate (it has no self-check)"
+        )
+        if result.status == STATUS_TIMEOUT:
+            return VERDICT_TIMEOUT, f"the {name} fallback ({after}) did not finish: {result.error}{kept}"
+        return VERDICT_FAILED, f"the {name} fallback ({after}) failed: {result.error}{kept}"
     how = ""
     if "ica_iterations" in summary:
         how = f", {summary['ica_iterations']} ICA iterations, stopped by {summary.get('stopped_by', '?')}"

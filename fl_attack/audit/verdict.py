@@ -214,6 +214,9 @@ def decide_verdict(
             else:
                 progress = f" with {found} of {b} samples found{_certified_note(attack)}"
             return Verdict(VERDICT_TIMEOUT, f"the attack spent its whole {spent}budget{progress}")
+        if b <= 0:  # never "0 of 0 samples": say why there was no batch to search
+            why = attack.get("stop_reason") or "the attack reported no batch size"
+            return Verdict(VERDICT_FAILED, f"no sample recovered: the batch size was not estimated ({why})")
         if all_found:
             return Verdict(
                 VERDICT_APPROXIMATE, _all_found_unconfirmed(attack, b) + _features_note(input_space)
@@ -288,6 +291,10 @@ def _kept_note(attack: Mapping[str, Any]) -> str:
     if b <= 0:
         why = attack.get("stop_reason")
         return "; the batch size was not estimated before the limit" + (f" ({why})" if why else "")
+    if attack.get("approximate"):  # an estimate of every row (the Cocktail Party's), never found one by one
+        iterations = attack.get("ica_iterations")
+        after = "" if iterations is None else f" after {iterations} ICA iterations"
+        return f"; its last estimate of the {b} rows{after} is kept, approximate (it has no self-check)"
     if found <= 0:
         return f"; none of the {b} rows was found before the limit"
     return f"; {found} of {b} rows found so far are kept, not verified as the batch{_certified_note(attack)}"
