@@ -158,6 +158,19 @@ def test_a_malformed_value_is_left_out_with_a_warning(
     assert config == others  # only the malformed key is left out
 
 
+def test_mini_batch_size_wins_over_batch_size() -> None:
+    """This project's own app sends both: ``batch-size`` is its FedSGD batch, ``mini-batch-size`` FedAvg's."""
+    config = read_train_config({"batch-size": 8, "mini-batch-size": 3}, sender="node-1")
+    assert config.batch_size == 3 and config.describe() == "mini-batch-size 3"
+    assert read_train_config({"batch-size": 8}, sender="node-1").describe() == "batch-size 8"
+
+
+def test_a_client_reporting_one_fedsgd_step_gets_no_local_epochs() -> None:
+    training = ObservedTraining(8, ServerTrainConfig(batch_size=8, local_epochs=1))
+    assert training.known_training(train_mode="fedsgd") is None
+    assert training.known_training(train_mode="fedavg") == KnownTraining(mini_batch_size=8, epochs=1)
+
+
 def test_lr_alone_does_not_reach_the_attack() -> None:
     """The attack ignores the update's scale: lr narrows nothing without weight decay."""
     assert ObservedTraining(4, ServerTrainConfig(lr=0.1)).known_training() is None

@@ -322,7 +322,9 @@ class Auditor:
         if batch_size is None and spectrum is not None:
             # num-examples only where the spectrum shows it: a count of mini-batches never reaches the attack
             reported_batch = batch_size = training.batch_size_for(spectrum_rank=spectrum.rank)
-        known = training.known_training() if "local_training" in self._uses else None
+        modes = {member.train_mode for member in members if member.train_mode}
+        mode = modes.pop() if len(modes) == 1 else None
+        known = training.known_training(train_mode=mode) if "local_training" in self._uses else None
         delta = dataclasses.replace(delta, local_training=known) if known is not None else delta
         if ruled_out is not None:
             result = AttackResult(STATUS_NOT_RUN, None, time.time() - started_at, None)

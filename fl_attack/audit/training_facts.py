@@ -5,8 +5,8 @@ Both are hints, not observations of the update. ``num-examples`` is FedAvg's wei
 report the samples a client trained on (the batch an exact attack recovers), some report
 mini-batches (Flower's fl-tabular). It becomes the attack's batch size only where the update's
 spectrum shows the same rank (:meth:`ObservedTraining.batch_size_for`); elsewhere the attack
-estimates it as before. The train config (``lr``, ``local-epochs``, ``batch-size``,
-``momentum``, ``weight-decay``) is what the server told the client: it narrows what the
+estimates it as before. The train config (``lr``, ``local-epochs``, ``batch-size`` or
+``mini-batch-size``, ``momentum``, ``weight-decay``) is what the server told the client: it narrows what the
 local-epoch fit tries (:class:`fl_attack.pipeline.local_training.known.KnownTraining`), and a
 client that trained otherwise leaves an update that no longer fits, so it is claimed less,
 never wrongly. A key the server did not send is not known; a value of the wrong type or range
@@ -27,7 +27,11 @@ __all__ = ["TRAIN_CONFIG_KEYS", "ObservedTraining", "ServerTrainConfig", "read_t
 logger = logging.getLogger(__name__)
 
 #: The train-config keys the audit reads, as a Flower server sends them.
-TRAIN_CONFIG_KEYS = ("lr", "local-epochs", "batch-size", "momentum", "weight-decay")
+TRAIN_CONFIG_KEYS = ("lr", "local-epochs", "batch-size", "mini-batch-size", "momentum", "weight-decay")
+
+#: Keys that name the mini-batch size, the first sent winning: an app that sends both (this
+#: project's own: ``batch-size`` is its FedSGD batch) means the mini-batch by ``mini-batch-size``.
+MINI_BATCH_KEYS = ("mini-batch-size", "batch-size")
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class ServerTrainConfig:
     local_epochs : int or None
         Local epochs (``local-epochs``, >= 1).
     batch_size : int or None
-        Mini-batch size (``batch-size``, >= 1).
+        Mini-batch size (``mini-batch-size``, else ``batch-size``; >= 1).
     momentum : float or None
         SGD momentum (``momentum``, in [0, 1)).
     weight_decay : float or None
@@ -53,6 +57,8 @@ class ServerTrainConfig:
     batch_size: int | None = None
     momentum: float | None = None
     weight_decay: float | None = None
+    #: The key the mini-batch size came from (for :meth:`describe`).
+    batch_size_key: str = field(default="batch-size", compare=False)
 
     @property
     def empty(self) -> bool:
@@ -69,13 +75,14 @@ class ServerTrainConfig:
             batch_size=self.batch_size,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
+            batch_size_key=self.batch_size_key,
         )
 
     def describe(self) -> str:
         """The keys sent, as the server named them: ``"batch-size 5, momentum 0.9"``."""
         values = {
             "local-epochs": self.local_epochs,
-            "batch-size": self.batch_size,
+            self.batch_size_key: self.batch_size,
             "momentum": self.momentum,
             "weight-decay": self.weight_decay,
             "lr": self.lr,
@@ -118,6 +125,7 @@ _READERS: dict[str, tuple[Callable[[object], float | int | None], str]] = {
     "lr": (_rate, "a positive number"),
     "local-epochs": (_count, "a positive whole number"),
     "batch-size": (_count, "a positive whole number"),
+    "mini-batch-size": (_count, "a positive whole number"),
     "momentum": (_fraction, "a number in [0, 1)"),
     "weight-decay": (_non_negative, "a non-negative number"),
 }
@@ -153,10 +161,12 @@ def read_train_config(values: Mapping[str, object], *, sender: str) -> ServerTra
             )
             continue
         read[key] = value
+    batch_key = next((key for key in MINI_BATCH_KEYS if key in read), "batch-size")
     return ServerTrainConfig(
+        batch_size_key=batch_key,
         lr=_as_float(read.get("lr")),
         local_epochs=_as_int(read.get("local-epochs")),
-        batch_size=_as_int(read.get("batch-size")),
+        batch_size=_as_int(read.get(batch_key)),
         momentum=_as_float(read.get("momentum")),
         weight_decay=_as_float(read.get("weight-decay")),
     )
@@ -207,10 +217,12 @@ class ObservedTraining:
             return None
         return self.num_examples
 
-    def known_training(self) -> KnownTraining | None:
-        """The train config as the local-epoch attack takes it; None when nothing that narrows it was sent."""
+    def known_training(self, *, train_mode: str | None = None) -> KnownTraining | None:
+        """The train config as the local-epoch attack takes it; None when nothing that narrows it
+        was sent, or when the client reports one FedSGD step (``train_mode="fedsgd"``, this
+        project's clients): its epochs and mini-batches are then not how it trained."""
         config = self.config.shaping_the_attack()
-        if config.empty:
+        if config.empty or train_mode == "fedsgd":
             return None
         return KnownTraining(
             mini_batch_size=config.batch_size,
