@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fl_attack.pipeline.budget.budget import Budget
+from fl_attack.pipeline.local_training.known import KnownTraining
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.validation import resolve_device
 
@@ -22,7 +23,9 @@ ArrayLike = np.ndarray | torch.Tensor
 ArrayT = TypeVar("ArrayT", bound=ArrayLike, covariant=True)
 
 #: The optional parts of a :class:`LayerUpdate` an attack may use (:attr:`LayerAttack.uses`).
-OPTIONAL_PARTS = frozenset({"head_weight", "next_weight_update", "local_steps", "noise_level"})
+OPTIONAL_PARTS = frozenset(
+    {"head_weight", "next_weight_update", "local_steps", "noise_level", "local_training"}
+)
 
 __all__ = [
     "OPTIONAL_PARTS",
@@ -61,6 +64,10 @@ class LayerUpdate(Generic[ArrayT]):
         Full-batch local SGD steps behind the update when known (FedAvg; 1 for FedSGD), else None.
     noise_level
         Known relative noise ``s_{b+1}/s_b`` of the update (e.g. DP noise), else None.
+    local_training
+        The client's local training as its server configured it (mini-batch size, momentum,
+        weight decay, learning rate, epochs; :class:`fl_attack.pipeline.local_training.known.KnownTraining`),
+        else None.
     """
 
     weight_update: ArrayT
@@ -72,10 +79,11 @@ class LayerUpdate(Generic[ArrayT]):
     after_layers: bool = False
     local_steps: int | None = None
     noise_level: float | None = None
+    local_training: KnownTraining | None = None
 
     def __add__(self: LayerUpdate[np.ndarray], other: LayerUpdate[np.ndarray]) -> LayerUpdate[np.ndarray]:
         """The sum of two clients' updates of the same global layer (secure aggregation); the sum's
-        ``local_steps`` and ``noise_level`` are not known (None)."""
+        ``local_steps``, ``noise_level`` and ``local_training`` are not known (None)."""
         return LayerUpdate(
             weight_update=self.weight_update + other.weight_update,
             bias_update=self.bias_update + other.bias_update,

@@ -27,7 +27,7 @@ from fl_attack.results.store import AttackRecord
 
 from .audit_end import finish_audit, training_history
 from .log_forwarding import forward_audit_log
-from .replies import strip_audit_records, to_client_update, training_replies
+from .replies import sent_train_config, strip_audit_records, to_client_update, training_replies
 from .run_config import one_line
 
 
@@ -59,6 +59,8 @@ class HonestButCuriousStrategy(Strategy):
         #: Wall seconds of every round, from configure_train to the end of aggregate_train.
         self.round_seconds: dict[int, float] = {}
         self._round_started: dict[int, float] = {}
+        #: Per round, the train config sent to each node (its keys the audit reads), until its replies come.
+        self._sent_configs: dict[int, dict[int, dict[str, object]]] = {}
         #: The report written when the audit ended (None before, or when none could be written).
         self.report: Path | None = None
         self._history: dict[str, Any] | None = None
@@ -153,7 +155,20 @@ class HonestButCuriousStrategy(Strategy):
         """
         self._round_started[server_round] = time.perf_counter()
         self.auditor.start_round(server_round, {key: value.numpy() for key, value in arrays.items()})
-        return self.strategy.configure_train(server_round, arrays, config, grid)
+        instructions = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        self._sent_configs[server_round] = self._train_configs(instructions)
+        return instructions
+
+    @staticmethod
+    def _train_configs(instructions: list[Message]) -> dict[int, dict[str, object]]:
+        """The train-config keys sent to each node (never raises: the audit only observes)."""
+        sent: dict[int, dict[str, object]] = {}
+        for instruction in instructions:
+            try:
+                sent[instruction.metadata.dst_node_id] = sent_train_config(instruction)
+            except Exception as error:  # an instruction the audit cannot read is sent unchanged
+                log(WARNING, "The audit cannot read a train instruction: %s: %s", type(error).__name__, error)
+        return sent
 
     def aggregate_train(
         self,
@@ -162,9 +177,11 @@ class HonestButCuriousStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Audit the replies, then aggregate them with the inner strategy."""
         replies_list = list(replies)
+        sent_configs = self._sent_configs.pop(server_round, {})
         try:
             updates: list[ClientUpdate] = [
-                to_client_update(reply) for reply in training_replies(replies_list)
+                to_client_update(reply, sent_configs.get(reply.metadata.src_node_id))
+                for reply in training_replies(replies_list)
             ]
             self.auditor.audit_round(server_round, updates)
             self.auditor.record_vanished(

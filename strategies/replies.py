@@ -20,6 +20,7 @@ from fl_attack.audit.protocol import (
     SAMPLE_INDICES_KEY,
     TRAIN_MODE_KEY,
 )
+from fl_attack.audit.training_facts import TRAIN_CONFIG_KEYS, ServerTrainConfig, read_train_config
 
 #: Records that only the audit reads; removed before the inner strategy aggregates.
 AUDIT_RECORDS = (AUDIT_KEY, GROUND_TRUTH_KEY)
@@ -137,15 +138,33 @@ def reported_examples(content: RecordDict) -> int | None:
     return count
 
 
-def to_client_update(reply: Message) -> ClientUpdate:
+def sent_train_config(instruction: Message) -> dict[str, object]:
+    """The train-config keys (:data:`fl_attack.audit.training_facts.TRAIN_CONFIG_KEYS`) of a train
+    message the server sends, from its ConfigRecords (Flower's FedAvg sends one, ``"config"``);
+    empty when it sends none. The first record holding a key gives it."""
+    values: dict[str, object] = {}
+    if not instruction.has_content():
+        return values
+    for record in instruction.content.config_records.values():
+        for key in TRAIN_CONFIG_KEYS:
+            if key in record and key not in values:
+                values[key] = record[key]
+    return values
+
+
+def to_client_update(reply: Message, sent_config: Mapping[str, object] | None = None) -> ClientUpdate:
     """Convert one reply; an unreadable reply becomes an update with ``arrays=None`` and its error.
 
     A malformed ground truth is dropped (with a warning naming the problem) and a malformed
     example count is ignored, so that one client's bad metadata never costs the audit of the
-    round's other clients.
+    round's other clients. ``sent_config`` is the train config the server sent this client
+    (:func:`sent_train_config`); a malformed value in it is left out with a warning.
     """
     content = reply.content
     identity = client_identity(content, reply.metadata.src_node_id)
+    config: ServerTrainConfig | None = None
+    if sent_config:
+        config = read_train_config(sent_config, sender=identity.name)
     record = audit_record(content)
     mode = None if record is None else record.get(TRAIN_MODE_KEY)
     num_examples = reported_examples(content)
@@ -168,6 +187,7 @@ def to_client_update(reply: Message) -> ClientUpdate:
         ground_truth=truth,
         train_mode=str(mode) if isinstance(mode, str) else None,
         num_examples=num_examples,
+        train_config=config,
     )
 
 

@@ -20,6 +20,7 @@ from fl_attack.audit.workers import run_attack
 from fl_attack.data.images import load_dataset
 from fl_attack.evaluation.metrics import evaluate_reconstruction
 from fl_attack.pipeline.budget.budget import NEXT_LAYER_SHARE, Budget
+from fl_attack.pipeline.local_training.known import KnownTraining
 from fl_attack.simulate.victims import build_victim
 from fl_attack.types import OPTIONAL_PARTS
 
@@ -84,6 +85,7 @@ def _full_update(
         after_layers=after_layers,
         local_steps=3,
         noise_level=0.1,
+        local_training=KnownTraining(mini_batch_size=1, momentum=0.9),
     )
 
 

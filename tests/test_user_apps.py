@@ -133,7 +133,10 @@ def test_fl_tabular_adam_epoch_is_never_claimed(tmp_path: Path) -> None:
         assert record["verdict"] in ("not-applicable", "timeout"), record["verdict_reason"]
         assert record["complete"] is False and record["attack"].get("directions_found", 0) == 0
         if record["verdict"] == "timeout":
+            # fl-tabular reports mini-batches as num-examples: the reason says the count was not used
             assert record["verdict_reason"].endswith(
-                "with 0 of " + str(record["batch_size"]) + " samples found"
-            )
+                "with 0 of " + str(record["batch_size"]) + " samples found; it rests on the batch size from "
+                "the update's rank " + str(record["batch_size"]) + " (the client's num-examples, 10, "
+                "differs, so it was not used)"
+            ), record["verdict_reason"]
     assert report["exact_attack_share"] == 0.0

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from fl_attack.pipeline.budget.budget import Budget
+from fl_attack.pipeline.local_training.known import KnownTraining
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, LayerUpdate
 
@@ -15,6 +16,7 @@ _KEYWORDS = {
     "next_weight_update": "next_weight_grad",
     "local_steps": "local_steps",
     "noise_level": "noise_level",
+    "local_training": "local_training",
 }
 
 
@@ -52,6 +54,7 @@ class LayerAttackBase(ABC):
         head_weight: ArrayLike | None = None,
         local_steps: int | None = None,
         next_weight_grad: ArrayLike | None = None,
+        local_training: KnownTraining | None = None,
     ) -> Reconstruction:
         """Recover the inputs of the batch that produced a first-layer update.
 
@@ -87,9 +90,14 @@ class LayerAttackBase(ABC):
             ``(k, m)`` gradient (or one-step update) of the linear layer fed by this layer's ReLU,
             from the same step: each direction found is certified as one sample through it, and
             later rounds search past those (:mod:`fl_attack.pipeline.side_information.next_layer`; clean updates only).
+        local_training
+            The client's local training as its server configured it (mini-batch size, momentum,
+            weight decay, learning rate, epochs): the one-epoch fit tries only those
+            (:mod:`fl_attack.pipeline.local_training.known`).
 
-        ``noise_level``, ``head_weight``, ``local_steps`` and ``next_weight_grad`` are accepted by
-        the attacks that use them (:attr:`uses`: SPEAR and SPEAR++ use all four).
+        ``noise_level``, ``head_weight``, ``local_steps``, ``next_weight_grad`` and
+        ``local_training`` are accepted by the attacks that use them (:attr:`uses`: SPEAR and
+        SPEAR++ use all five).
 
         Returns
         -------
@@ -116,6 +124,7 @@ class LayerAttackBase(ABC):
             next_weight_update=next_weight_grad,
             local_steps=local_steps,
             noise_level=noise_level,
+            local_training=local_training,
         )
         unused = [
             keyword

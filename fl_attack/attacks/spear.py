@@ -153,7 +153,7 @@ class GradientInversionAttack(LayerAttackBase):
     """
 
     name = "attack"
-    uses = frozenset({"head_weight", "next_weight_update", "local_steps", "noise_level"})
+    uses = frozenset({"head_weight", "next_weight_update", "local_steps", "noise_level", "local_training"})
 
     def __init__(
         self,
@@ -208,8 +208,11 @@ class GradientInversionAttack(LayerAttackBase):
         if isinstance(factors, Reconstruction):
             return factors  # the budget ran out in the decomposition
         noise = observed.noise_level if observed.noise_level is not None else self.noise_level
+        known = observed.local_training
         decay_scale = 0.0
-        if noise is None and factors.spectrum.relative_noise > DECAY_CHECK_ABOVE:
+        # a client told to train without weight decay leaves none to remove
+        no_decay = known is not None and known.weight_decay == 0
+        if noise is None and not no_decay and factors.spectrum.relative_noise > DECAY_CHECK_ABOVE:
             cleaned = self._without_weight_decay(update, factors, batch_size=batch_size, budget=budget)
             if cleaned is not None:
                 update, factors, decay_scale = cleaned
@@ -236,10 +239,12 @@ class GradientInversionAttack(LayerAttackBase):
         if decay_scale:
             stats["weight_decay_scale"] = decay_scale
         stats.update(weakest_sample_margins(factors, entry_noise=entry_noise, shape=(m, update.input_dim)))
-        # a clean single-step update is judged by the one-epoch scorer, built without a plain one first
-        if check_local_steps(local_steps) == 1 and not noisy and b > 1:
+        # a clean single-step update is judged by the one-epoch scorer, built without a plain one
+        # first; a client told to train several epochs is not fitted as one
+        one_epoch = known is None or not known.several_epochs
+        if check_local_steps(local_steps) == 1 and not noisy and b > 1 and one_epoch:
             scorer: SparsityMatchingScorer = LocalEpochScorer(
-                update, factors, tolerance, decay_scale=decay_scale
+                update, factors, tolerance, decay_scale=decay_scale, known=known
             )
         else:
             scorer = scorer_for(update, factors, tolerance, local_steps=local_steps, noisy=noisy)

@@ -8,6 +8,7 @@ ground truth, when a client sent it, is used afterwards for scoring only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -35,9 +36,10 @@ from .records import RecordKeeper
 from .selection import select_units
 from .settings import AttackSettings, ExecutionSettings, SamplingSettings, SecAggSettings
 from .signature import UpdateSignature, magnitude_concentration, update_signature
-from .spectrum_check import SpectrumRuling, ruled_out_by_spectrum, spectrum_guided
+from .spectrum_check import SpectrumCheck, check_spectrum, spectrum_guided
 from .spill import SPILL_FOLDER, QueueSpill
 from .thread_runners import RunnerPerThread
+from .training_facts import ObservedTraining
 from .units import Prepared, attack_summary, total_examples, unit_name
 from .verdict import Verdict, decide_verdict
 from .workers import AttackResult, AttackRunner
@@ -102,6 +104,8 @@ class Auditor:
         self.keeper = RecordKeeper(store=store, scorer=scorer)
         #: SPEAR-family attackers: an update whose spectrum rules them out is not attacked.
         self._spectrum_guided = spectrum_guided(attacker)
+        #: The optional parts of an update the attacker reads (the train config reaches it only then).
+        self._uses: frozenset[str] = frozenset(getattr(attacker, "uses", frozenset()))
         self.fallback = build_fallback(attack, seed=seed, execution=execution, keeper=self.keeper)
         self.runner = execution.make_runner(attacker)
         self._pool_runners = RunnerPerThread(functools.partial(execution.make_runner, attacker))
@@ -305,11 +309,23 @@ class Auditor:
         assert self.layer is not None
         server_round, members, delta = prepared.server_round, prepared.members, prepared.delta
         batch_size = None if self.attack.batch_size is None else self.attack.batch_size * len(members)
+        training = ObservedTraining.of_members(
+            [member.num_examples for member in members], [member.train_config for member in members]
+        )
         started_at = time.time()
         signature: Callable[[], UpdateSignature] = functools.cache(
             functools.partial(update_signature, delta.weight_update)
         )  # computed once, and only when needed
-        ruled_out = self._ruled_out(delta, members, signature) if batch_size is None else None
+        spectrum = self._spectrum(delta, members, signature) if batch_size is None else None
+        ruled_out = None if spectrum is None else spectrum.ruling
+        reported_batch = None
+        if batch_size is None and spectrum is not None:
+            # num-examples only where the spectrum shows it: a count of mini-batches never reaches the attack
+            reported_batch = batch_size = training.batch_size_for(spectrum_rank=spectrum.rank)
+        modes = {member.train_mode for member in members if member.train_mode}
+        mode = modes.pop() if len(modes) == 1 else None
+        known = training.known_training(train_mode=mode) if "local_training" in self._uses else None
+        delta = dataclasses.replace(delta, local_training=known) if known is not None else delta
         if ruled_out is not None:
             result = AttackResult(STATUS_NOT_RUN, None, time.time() - started_at, None)
             verdict = Verdict(VERDICT_NOT_APPLICABLE, ruled_out.reason)
@@ -325,8 +341,18 @@ class Auditor:
                 summary["batch_size"] = (
                     ruled_out.batch_size
                 )  # the spectrum's estimate, as the attack's would be
+        if training.num_examples is not None:
+            summary["reported_examples"] = training.num_examples
         if ruled_out is None:
             verdict = self._verdict(result, summary, delta, members, signature)
+            basis = training.basis(
+                batch_size=reported_batch,
+                config_used=known is not None,
+                spectrum_rank=None if spectrum is None else spectrum.rank,
+            )
+            if basis is not None:
+                summary["known_training"] = basis
+                verdict = Verdict(verdict.verdict, f"{verdict.reason}; {basis}")
         name = unit_name(members)
         level = logging.INFO if result.status in (STATUS_OK, STATUS_NOT_RUN) else logging.WARNING
         logger.log(
@@ -352,18 +378,19 @@ class Auditor:
         }
         return self.keeper.finished_record(record_fields, result, members, details)
 
-    def _ruled_out(
+    def _spectrum(
         self,
         delta: LayerUpdate[np.ndarray],
         members: list[ClientUpdate],
         signature: Callable[[], UpdateSignature],
-    ) -> SpectrumRuling | None:
-        """What the spectrum says of an update it rules out (:mod:`.spectrum_check`), or None."""
+    ) -> SpectrumCheck | None:
+        """What the spectrum says of an update (:mod:`.spectrum_check`): its rank, and why it is
+        ruled out where it is; None for an attacker it does not guide, or an update it cannot read."""
         if not self._spectrum_guided:
             return None
         modes = {member.train_mode for member in members if member.train_mode}
         try:
-            return ruled_out_by_spectrum(
+            return check_spectrum(
                 delta,
                 signature=signature,
                 train_mode=modes.pop() if len(modes) == 1 else None,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .training_facts import ServerTrainConfig
+
 
 @dataclass(frozen=True)
 class ClientIdentity:
@@ -74,6 +76,9 @@ class ClientUpdate:
         How the client says it trained (simulation only; names the cause of a verdict).
     num_examples : int or None
         The example count the client reported (FedAvg's weight).
+    train_config : ServerTrainConfig or None
+        The train config the server sent the client this round (its valid keys), None when it
+        sent none (:mod:`fl_attack.audit.training_facts`).
     """
 
     identity: ClientIdentity
@@ -82,3 +87,4 @@ class ClientUpdate:
     ground_truth: GroundTruth | None = None
     train_mode: str | None = None
     num_examples: int | None = None
+    train_config: ServerTrainConfig | None = None

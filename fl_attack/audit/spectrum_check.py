@@ -22,9 +22,9 @@ from fl_attack.pipeline.spectrum.decompose import estimate_batch_size, rounding_
 from fl_attack.types import LayerUpdate, ObservedUpdate
 
 from .signature import ADAPTIVE_CONCENTRATION, UpdateSignature, magnitude_concentration
-from .verdict import not_applicable_reason
+from .verdict import more_samples_than_neurons, not_applicable_reason
 
-__all__ = ["SpectrumRuling", "ruled_out_by_spectrum", "spectrum_guided"]
+__all__ = ["SpectrumCheck", "SpectrumRuling", "check_spectrum", "spectrum_guided"]
 
 
 def spectrum_guided(attacker: object) -> bool:
@@ -55,14 +55,30 @@ class SpectrumRuling:
     low_rank: bool
 
 
-def ruled_out_by_spectrum(
+@dataclass(frozen=True)
+class SpectrumCheck:
+    """What the spectrum says of an update before its attack.
+
+    Attributes
+    ----------
+    ruling : SpectrumRuling or None
+        Why the update is ruled out; None when it is attacked.
+    rank : int or None
+        The batch size the spectrum estimates (the attack's own estimate), None when it finds none.
+    """
+
+    ruling: SpectrumRuling | None
+    rank: int | None
+
+
+def check_spectrum(
     delta: LayerUpdate[np.ndarray],
     *,
     signature: Callable[[], UpdateSignature],
     train_mode: str | None,
     num_examples: int | None,
-) -> SpectrumRuling | None:
-    """Why the update cannot be inverted exactly, read off its spectrum, or None when it may be.
+) -> SpectrumCheck:
+    """The update's estimated rank, and why it cannot be inverted exactly where its spectrum says so.
 
     Parameters
     ----------
@@ -73,7 +89,8 @@ def ruled_out_by_spectrum(
     train_mode : str or None
         What the client reported about its training (simulation only), to name the cause.
     num_examples : int or None
-        The example count the client(s) reported.
+        The example count the client(s) reported: more samples than the layer has neurons, on
+        an update without low-rank structure, is named as the reason.
 
     Raises
     ------
@@ -94,22 +111,26 @@ def ruled_out_by_spectrum(
         # Adam-like steps: the verdict is not-applicable whatever the attack returns
         reason = not_applicable_reason(signature(), train_mode=train_mode, num_examples=num_examples)
         if reason is not None:
-            return SpectrumRuling(reason, estimate, low_rank=True)
+            return SpectrumCheck(SpectrumRuling(reason, estimate, low_rank=True), estimate)
     live = int((grad.abs().amax(dim=1) > 0).sum())  # neurons dead at every step send zero rows
     if estimate is not None and estimate > 1 and estimate >= min(live, shape[1]):
         # full rank on the live neurons: a batch at least as large as what the layer separates
+        full_rank = f"full rank {estimate} on its {live} live neurons (of {shape[0]}, input width {shape[1]})"
         reason = (
-            f"the update has full rank {estimate} on its {live} live neurons "
-            f"(of {shape[0]}, input width {shape[1]}): the batch is at least as large as the layer "
+            f"the update has {full_rank}: the batch is at least as large as the layer "
             "can separate, as after many local steps, so no exact attack applies"
         )
+        if num_examples is not None and num_examples > shape[0]:
+            reason = (
+                f"{more_samples_than_neurons(num_examples, shape[0])}; the update agrees: it has {full_rank}"
+            )
         # a fallback may still unmix it, unless the client trained on more samples than rows
         unmixable = num_examples is not None and num_examples > min(live, shape[1])
-        return SpectrumRuling(reason, estimate, low_rank=not unmixable)
+        return SpectrumCheck(SpectrumRuling(reason, estimate, low_rank=not unmixable), estimate)
     if estimate is not None:
-        return None
+        return SpectrumCheck(None, estimate)
     computed = signature()
     if computed.low_rank:  # the two estimates disagree: let the attack decide
-        return None
+        return SpectrumCheck(None, None)
     reason = not_applicable_reason(computed, train_mode=train_mode, num_examples=num_examples)
-    return None if reason is None else SpectrumRuling(reason, None, low_rank=False)
+    return SpectrumCheck(None if reason is None else SpectrumRuling(reason, None, low_rank=False), None)

@@ -83,6 +83,10 @@ def not_applicable_reason(
             f"batch of {num_examples} rows on {n} input features: a batch larger than the input dimension "
             "cannot be separated by an exact attack"
         )
+    if num_examples is not None and num_examples > m:
+        return (
+            f"{more_samples_than_neurons(num_examples, m)}; the update agrees: it has no low-rank structure"
+        )
     if train_mode == "fedavg":
         return (
             "several local steps (FedAvg) left the update without low-rank structure: it is not one "
@@ -112,6 +116,22 @@ def not_applicable_reason(
         "gradient of a small batch (several local steps, DP noise, or a batch larger than the layer "
         "can separate)"
     )
+
+
+def more_samples_than_neurons(num_examples: int, width: int) -> str:
+    """``"5000 samples against 120 neurons: ..."``: a client count no exact attack on the layer separates."""
+    return (
+        f"{num_examples} samples against {width} neurons: no exact attack can separate them "
+        "(the count is the client's num-examples)"
+    )
+
+
+def _epoch_prefix(attack: Mapping[str, Any]) -> str:
+    """``"one local epoch, 4 mini-batches of 5: "`` when the samples were fitted to their own SGD steps."""
+    epoch = attack.get("local_epoch")
+    if not isinstance(epoch, str) or not epoch:
+        return ""
+    return epoch.removeprefix("fits ") + ": "
 
 
 def _features_note(input_space: str | None) -> str:
@@ -170,10 +190,13 @@ def decide_verdict(
             if reason is not None:
                 return Verdict(VERDICT_NOT_APPLICABLE, reason)
         weakest = float(attack.get("min_confidence", 1.0 if complete else 0.0))
-        if complete and not noisy and not adaptive and weakest < EXACT_MIN_CONFIDENCE:
+        # a batch fitted to one local epoch was judged sample by sample at the weights of its own
+        # step (fit and self-check); its agreement at W_0, which later steps leave, says nothing
+        own_steps = bool(_epoch_prefix(attack))
+        if complete and not noisy and not adaptive and not own_steps and weakest < EXACT_MIN_CONFIDENCE:
             return Verdict(
                 VERDICT_APPROXIMATE,
-                f"all {b} samples found, but the weakest one's ReLU pattern agrees with the update at only "
+                f"{_epoch_prefix(attack)}all {b} samples found, but the weakest one's ReLU pattern agrees with the update at only "
                 f"{weakest:.4f} (exact needs {EXACT_MIN_CONFIDENCE}): exactness is not confirmed (near-identical "
                 "samples may be blended, or the layer's float32 rounding moved a neuron)"
                 + _features_note(input_space),
@@ -186,7 +209,7 @@ def decide_verdict(
             )
             return Verdict(
                 VERDICT_EXACT,
-                f"all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f}{precise})"
+                f"{_epoch_prefix(attack)}all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f}{precise})"
                 + _features_note(input_space),
             )
         merged = int(attack.get("next_layer_checked", 0) or 0) + int(

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from fl_attack.pipeline.local_training.known import KnownTraining
 from fl_attack.pipeline.local_training.local_epochs import MOMENTA, EpochFit, EpochPatterns, fit_one_epoch
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
 from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer
@@ -50,7 +51,8 @@ class LocalEpochScorer(SparsityMatchingScorer):
     """Plain sparsity matching that also accepts a batch fitting one local epoch of mini-batches.
 
     ``update`` must be the client's change ``W_T - W_0`` itself (weight decay removed, its
-    ``decay_scale = a_T - 1`` given).
+    ``decay_scale = a_T - 1`` given). ``known``: the client's training as its server configured
+    it; the fit then tries only its mini-batch size, momentum and ``lr * weight_decay``.
     """
 
     def __init__(
@@ -60,9 +62,11 @@ class LocalEpochScorer(SparsityMatchingScorer):
         tolerance: ZeroTolerance,
         *,
         decay_scale: float = 0.0,
+        known: KnownTraining | None = None,
     ) -> None:
         super().__init__(update, factors, tolerance)
         self.decay_scale = decay_scale
+        self.known = KnownTraining() if known is None else known
         self.precision = min(1.0, max(tolerance.relative_noise, PRECISION_FLOOR))
         self.row_norms = update.weight.norm(dim=1)
         self._fits: dict[bytes, EpochFit | None] = {}
@@ -105,7 +109,14 @@ class LocalEpochScorer(SparsityMatchingScorer):
         reach = REACH_MARGIN * others + abs(self.decay_scale) * patterns.start.abs() + patterns.ambiguity
         if bool((mismatch & (patterns.start.abs() > reach)).any()):
             return None
-        return fit_one_epoch(patterns, momenta=MOMENTA, decay_scale=self.decay_scale)
+        known = self.known
+        return fit_one_epoch(
+            patterns,
+            batch_sizes=None if known.mini_batch_size is None else [known.mini_batch_size],
+            momenta=MOMENTA if known.momentum is None else (known.momentum,),
+            decay_scale=self.decay_scale,
+            decay=known.decay,
+        )
 
     def accepts(self, selection: Selection, *, accept_matching: float) -> bool:
         """Plain acceptance, or a complete selection some of whose samples match ``W_0``

@@ -119,6 +119,7 @@ def fit_one_epoch(
     batch_sizes: Sequence[int] | None = None,
     momenta: Sequence[float] = MOMENTA,
     decay_scale: float = 0.0,
+    decay: float | None = None,
     node_limit: int = NODE_LIMIT,
 ) -> EpochFit | None:
     """Find mini-batches and a momentum under which every sample matches at its own step.
@@ -134,6 +135,10 @@ def fit_one_epoch(
         Momenta to try, in order.
     decay_scale
         ``a_T - 1``, the shrinkage of ``W_0`` removed from the update (0: no weight decay).
+    decay
+        ``lr * weight_decay`` per step when the client's configuration says it; None derives it
+        from ``decay_scale`` for each tried size and momentum. Used only where a shrinkage was
+        removed (``decay_scale != 0``): an update left with its shrinkage is fitted without it.
     node_limit
         Search nodes the whole call may visit; None is returned when they run out.
 
@@ -156,14 +161,18 @@ def fit_one_epoch(
         steps = math.ceil(n / size)
         products = _StepProducts(patterns)  # the momenta of one size try the same steps
         for momentum in momenta:
-            decay = decay_for_scale(decay_scale, steps=steps, momentum=momentum)
-            schedule = sgd_schedule(steps=steps, momentum=momentum, decay=decay)
+            step_decay = (
+                decay
+                if decay is not None and decay_scale != 0
+                else decay_for_scale(decay_scale, steps=steps, momentum=momentum)
+            )
+            schedule = sgd_schedule(steps=steps, momentum=momentum, decay=step_decay)
             counts = [size] * (steps - 1) + [n - size * (steps - 1)]
             run = _Run(patterns, schedule, counts, products)
             found = run.peel([], [], list(range(n)), budget)
             if found is not None:
                 order, inactive = found
-                return EpochFit(size, momentum, decay, tuple(order), inactive)
+                return EpochFit(size, momentum, step_decay, tuple(order), inactive)
             if budget[0] <= 0:
                 return None
     return None
