@@ -40,7 +40,9 @@ class Reconstruction:
         measured reconstructions were noise) and that the self-check passed up to the noise.
     confidence
         ``(batch_size,)`` float64 tensor: per-sample sparsity-matching coefficient, 0 for
-        placeholder rows. Near 1 means the sample is consistent with the observed update.
+        placeholder rows. Near 1 means the sample is consistent with the observed update. For
+        an update fitted as one local epoch of mini-batches (``stats["local_epoch"]``), each
+        sample's matching at the weights of its own step.
     seconds
         Wall-clock time of the attack.
     stats

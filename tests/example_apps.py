@@ -28,6 +28,11 @@ from strategies.run_config import AUDIT_KEYS
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
+#: The quickstart CNN's clients taking one SGD step on a batch of 8 at lr 0.1 (FedSGD-like: the
+#: example's defaults before its clients trained whole epochs as Flower's quickstart does); the
+#: first batch of the whole partition, as before, so the seeds give the same batches.
+CNN_ONE_STEP = {"samples-per-client": 0, "local-steps": 1, "batch-size": 8, "lr": 0.1}
+
 
 @dataclass(frozen=True)
 class Example:

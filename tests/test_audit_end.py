@@ -26,7 +26,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from strategies import HonestButCuriousStrategy
 from strategies.run_config import AuditConfigError
-from tests.example_apps import example_on_path, load_example
+from tests.example_apps import CNN_ONE_STEP, example_on_path, load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,6 +82,7 @@ def test_start_ends_the_audit_with_its_report_and_a_summary_in_flowers_log(
     run = tmp_path / "run"
     config = {
         **example.config,
+        **CNN_ONE_STEP,
         "attack-isolation": "thread",
         "attack-time-budget": 5.0,
         "output-dir": str(run),

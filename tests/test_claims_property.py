@@ -274,6 +274,8 @@ def test_one_local_epoch_of_mini_batches_is_claimed_exact(momentum: float, decay
     rec = _attack(update)
     assert rec is not None and rec.complete and rec.self_check is not None and rec.self_check.exact
     _assert_every_row_is_a_true_sample(rec, inputs)
-    assert float(rec.confidence.min()) < 0.99  # some sample does not match W_0: the plain check would refuse
+    # some sample does not match W_0: the plain check would refuse
+    assert rec.stats["local_epoch_start_matching"] < 0.99
+    assert float(rec.confidence.min()) == 1.0  # each sample matches at its own step
     assert rec.stats["local_epoch"].startswith("fits one local epoch")
     assert ("weight_decay_scale" in rec.stats) is (decay > 0)

@@ -14,7 +14,7 @@ import pytest
 
 from fl_attack.results.store import load_table
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
-from tests.example_apps import EXAMPLES, configured_apps, load_example, run_example
+from tests.example_apps import CNN_ONE_STEP, EXAMPLES, configured_apps, load_example, run_example
 
 QUICK = {
     "num-server-rounds": 1,
@@ -63,7 +63,7 @@ def test_example_folders_have_the_flower_app_shape() -> None:
 
 
 def test_quickstart_cnn_recovers_fc1_input_features(tmp_path: Path) -> None:
-    records = _audit("quickstart_cnn", tmp_path / "run", seed=0)
+    records = _audit("quickstart_cnn", tmp_path / "run", seed=0, **CNN_ONE_STEP)
     assert len(records) == 2
     assert all(record["input_space"] == "features" for record in records)
     assert all(record["quality"]["kind"] == "features" for record in records)

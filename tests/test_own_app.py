@@ -30,7 +30,7 @@ from fl_attack.audit import (
 from fl_attack.audit.protocol import GROUND_TRUTH_KEY
 from fl_attack.evaluation.scoring import FeatureScorer
 from strategies import HonestButCuriousStrategy
-from tests.example_apps import example_on_path, load_example
+from tests.example_apps import CNN_ONE_STEP, example_on_path, load_example
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def _context(config: dict[str, Any], node_id: int = 0, node_config: dict[str, An
 def _cnn_round(overrides: dict[str, Any]) -> tuple[HonestButCuriousStrategy, list[Message]]:
     """Round 1 of the quickstart CNN: the audited server configures, the example's own client code answers."""
     example = load_example("quickstart_cnn")
-    config = {**example.config, **overrides}
+    config = {**example.config, **CNN_ONE_STEP, **overrides}
     with example_on_path(example):
         from cnn_example.client_app import train
         from cnn_example.task import Net
@@ -113,7 +113,7 @@ def test_ground_truth_must_come_from_the_received_weights_for_a_cnn() -> None:
         loader, _ = load_data(0, 2, batch_size=8, dataset="photo-patches", data_root="", seed=1000)
         batch = next(iter(loader))
         before = layer_inputs(net, batch[0]).double()
-        train(net, [batch], lr=0.1)
+        train(net, [batch], epochs=1, lr=0.1)
         after = layer_inputs(net, batch[0]).double()
     relative = (after - before).norm(dim=1) / before.norm(dim=1)
     assert float(relative.min()) > 1e-3  # far above EXACT_RELATIVE_ERROR: scoring would call it inexact

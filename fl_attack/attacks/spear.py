@@ -298,9 +298,15 @@ class GradientInversionAttack(LayerAttackBase):
             budget_exhausted=stats.get("stopped_by") == "time_budget",
         )
         epoch = epoch_fit_for(scorer, selection, accept_matching=self.accept_matching)
+        confidence = selection.per_sample
         if epoch is not None:
             stats.update(local_epoch=epoch.describe(), local_batch_size=epoch.batch_size)
             stats.update(local_momentum=epoch.momentum)
+            assert isinstance(scorer, LocalEpochScorer)  # epoch_fit_for fits only with it
+            # later steps' samples match at their own step's weights, not at W_0: the confidence reads
+            # them there; the weakest matching at W_0 stays in the stats
+            stats.update(local_epoch_start_matching=float(selection.per_sample.min()))
+            confidence = scorer.own_step_matching(selection, epoch)
         check = self_check(
             selection.inputs,
             factors=factors,
@@ -335,7 +341,7 @@ class GradientInversionAttack(LayerAttackBase):
             batch_size=b,
             sparsity_matching=selection.sparsity_matching,
             complete=claimed and check.passed,
-            confidence=selection.per_sample.clamp_min(0).detach().cpu(),
+            confidence=confidence.clamp_min(0).detach().cpu(),
             seconds=elapsed,
             stats=stats,
             self_check=check,

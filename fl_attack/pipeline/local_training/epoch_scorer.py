@@ -118,6 +118,19 @@ class LocalEpochScorer(SparsityMatchingScorer):
             decay=known.decay,
         )
 
+    def own_step_matching(self, selection: Selection, fit: EpochFit) -> torch.Tensor:
+        """``(N,)``: each sample's sparsity matching at its own step of ``fit``.
+
+        The share of neurons on which the column's zeros agree with the input's ReLU pattern at
+        the weights of the sample's own step (a sample of a later step matches there, not at
+        ``W_0``): a non-zero entry where the input is inactive, or a zero where it is active,
+        disagrees; a neuron within the ambiguity of zero (the fit's own test) may be either.
+        """
+        zero = self.patterns(selection).zero
+        inactive, active = fit.inactive.to(zero.device), fit.active.to(zero.device)
+        disagree = (inactive & ~zero) | (active & zero)
+        return 1.0 - disagree.to(selection.per_sample.dtype).mean(dim=0)
+
     def accepts(self, selection: Selection, *, accept_matching: float) -> bool:
         """Plain acceptance, or a complete selection some of whose samples match ``W_0``
         (step 0's) and that fits one local epoch."""

@@ -94,6 +94,9 @@ class EpochFit:
         Sample indices of each step, in order.
     inactive
         ``(m, N)`` bool: the neurons each sample leaves inactive (beyond the ambiguity) at its own step.
+    active
+        ``(m, N)`` bool: the neurons each sample leaves active (beyond the ambiguity) at its own step;
+        neither inactive nor active is within the ambiguity of zero.
     """
 
     batch_size: int
@@ -101,6 +104,7 @@ class EpochFit:
     decay: float
     steps: tuple[tuple[int, ...], ...]
     inactive: torch.Tensor
+    active: torch.Tensor
 
     def describe(self) -> str:
         """One phrase: ``"fits one local epoch, 4 mini-batches of 5, momentum 0.9"``."""
@@ -171,8 +175,9 @@ def fit_one_epoch(
             run = _Run(patterns, schedule, counts, products)
             found = run.peel([], [], list(range(n)), budget)
             if found is not None:
-                order, inactive = found
-                return EpochFit(size, momentum, step_decay, tuple(order), inactive)
+                order, own_step = found
+                inactive, active = own_step < -patterns.ambiguity, own_step > patterns.ambiguity
+                return EpochFit(size, momentum, step_decay, tuple(order), inactive, active)
             if budget[0] <= 0:
                 return None
     return None
@@ -286,12 +291,12 @@ class _Run:
     def result(
         self, order: list[tuple[int, ...]], products: list[torch.Tensor], remaining: list[int]
     ) -> tuple[list[tuple[int, ...]], torch.Tensor]:
-        """The steps with ``remaining`` as the last, and each sample's inactive neurons at its own step."""
-        inactive = torch.zeros_like(self.patterns.zero)
+        """The steps with ``remaining`` as the last, and each sample's pre-activations at its own step."""
+        own_step = torch.zeros_like(self.patterns.start)
         for s, members in enumerate([*order, tuple(remaining)]):
             index = list(members)
-            inactive[:, index] = (self.pre_activations(products[:s]) < -self.patterns.ambiguity)[:, index]
-        return [*order, tuple(remaining)], inactive
+            own_step[:, index] = self.pre_activations(products[:s])[:, index]
+        return [*order, tuple(remaining)], own_step
 
     def peel_last_two(
         self,
