@@ -192,10 +192,11 @@ def _lasting(patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) 
     contribution is taken in at the share of the average sample placed before that step."""
     others = patterns.columns @ patterns.gram - patterns.columns * patterns.gram.diagonal()[None, :]
     total = sum(counts)
+    shares, start_scales = schedule.share.tolist(), schedule.start_scale.tolist()
     last = torch.full((patterns.size,), -1, dtype=torch.int64, device=patterns.start.device)
     for t in range(len(counts)):
-        placed = sum(float(schedule.share[t, s]) * counts[s] for s in range(t)) / max(total - 1, 1)
-        pre = float(schedule.start_scale[t]) * patterns.start + placed * others
+        placed = sum(shares[t][s] * counts[s] for s in range(t)) / max(total - 1, 1)
+        pre = start_scales[t] * patterns.start + placed * others
         last = torch.where(_consistent(patterns, pre), torch.full_like(last, t), last)
     return last
 
@@ -229,6 +230,8 @@ class _Run:
     ) -> None:
         self.patterns = patterns
         self.schedule = schedule
+        self.share: list[list[float]] = schedule.share.tolist()  # read at every node: Python floats
+        self.start_scale: list[float] = schedule.start_scale.tolist()
         self.counts = counts
         self.step_product = products.get
         self._lasting: list[int] | None = None
@@ -243,9 +246,9 @@ class _Run:
         """``(m, N)`` pre-activations at the weights of ``step`` (default: ``len(products)``, right
         after the steps placed) from the placed steps' ``products``."""
         t = len(products) if step is None else step
-        pre = float(self.schedule.start_scale[t]) * self.patterns.start
+        pre = self.start_scale[t] * self.patterns.start
         for s, product in enumerate(products):
-            pre = pre + float(self.schedule.share[t, s]) * product
+            pre = pre + self.share[t][s] * product
         return pre
 
     def peel(
@@ -288,7 +291,7 @@ class _Run:
             return None
         # many children: each one's samples are judged at its weights with a chunk of its siblings
         base = self.pre_activations(products, step=t + 1)
-        share = float(self.schedule.share[t + 1, t])
+        share = self.share[t + 1][t]
         chunk = max(1, min(CHILD_CHUNK, LEAF_CHUNK_ELEMENTS // max(1, patterns.start.numel())))
         while True:
             batch = list(itertools.islice(choices, min(chunk, max(1, budget[0]))))
@@ -335,7 +338,7 @@ class _Run:
         m, n = self.patterns.start.shape
         chunk = max(1, LEAF_CHUNK_ELEMENTS // max(1, m * n))
         t = len(order) + 1  # the last step
-        share = float(self.schedule.share[t, t - 1])
+        share = self.share[t][t - 1]
         base = self.pre_activations(products, step=t)  # before the last but one step's share
         need = self.counts[t - 1]
         judge = _LastStepJudge(
