@@ -160,9 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for text in args.fedavg:
                 attack_fedavg(text, data=data, budget=args.time_budget, source=source)
     print(
-        "| selection | N x m | search s (best of 3) | fit | refused by the reach bound | torch ops | top ops |"
+        "| selection | N x m | search s (best of 3) | fit | refused by the reach bound "
+        "| torch ops | host syncs | top ops |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for request in requests:
         seconds, fit = float("inf"), None
         for _ in range(3):
