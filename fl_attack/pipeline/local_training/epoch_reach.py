@@ -22,9 +22,10 @@ from fl_attack.pipeline.local_training.local_epochs import QUIET_FRACTION, Epoch
 
 __all__ = ["reach_bounds", "unreachable"]
 
-#: Relative room for rounding: the search adds the same terms in another order, so a bound is
-#: only trusted this far (of the entry's absolute terms) beyond the ambiguity. The ambiguity
-#: itself is at least ``3e-6`` of those terms.
+#: Relative room for rounding: the search adds the same terms in another order (each sum off by
+#: about ``1e-16`` of its absolute terms per term), so a bound decides an entry only this far (of
+#: the entry's absolute terms) beyond the ambiguity. The scorer's ambiguity is already at least
+#: ``3e-6`` of the other samples' absolute terms.
 ROUNDING_ROOM = 1e-9
 
 
