@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from fl_attack.pipeline.local_training.epoch_reach import unreachable
 from fl_attack.pipeline.local_training.known import KnownTraining
 from fl_attack.pipeline.local_training.local_epochs import MOMENTA, EpochFit, EpochPatterns, fit_one_epoch
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
@@ -109,6 +110,8 @@ class LocalEpochScorer(SparsityMatchingScorer):
         reach = REACH_MARGIN * others + abs(self.decay_scale) * patterns.start.abs() + patterns.ambiguity
         if bool((mismatch & (patterns.start.abs() > reach)).any()):
             return None
+        if self.decay_scale >= 0.0 and unreachable(patterns):
+            return None  # sharper, without weight decay: the sign of each sample's contribution
         known = self.known
         return fit_one_epoch(
             patterns,

@@ -48,6 +48,14 @@ QUIET_FRACTION = 0.01
 #: Search nodes (one step's choice of samples) one call of :func:`fit_one_epoch` may visit.
 NODE_LIMIT = 4000
 
+#: Below this many choices of one step, each is judged on its own (a batched judgement costs
+#: more than a few single ones).
+JUDGE_TOGETHER = 8
+
+#: Children of one search node whose samples are judged together (the rest of the chunk is
+#: wasted when an early child's subtree ends the search).
+CHILD_CHUNK = 64
+
 #: Elements of the ``(k, m, N)`` pre-activations of the last step's ``k`` candidate orders that
 #: are judged together (about 64 MiB of float64).
 LEAF_CHUNK_ELEMENTS = 8_000_000
@@ -198,10 +206,11 @@ def _lasting(patterns: EpochPatterns, schedule: SgdSchedule, counts: list[int]) 
     contribution is taken in at the share of the average sample placed before that step."""
     others = patterns.columns @ patterns.gram - patterns.columns * patterns.gram.diagonal()[None, :]
     total = sum(counts)
+    shares, start_scales = schedule.share.tolist(), schedule.start_scale.tolist()
     last = torch.full((patterns.size,), -1, dtype=torch.int64, device=patterns.start.device)
     for t in range(len(counts)):
-        placed = sum(float(schedule.share[t, s]) * counts[s] for s in range(t)) / max(total - 1, 1)
-        pre = float(schedule.start_scale[t]) * patterns.start + placed * others
+        placed = sum(shares[t][s] * counts[s] for s in range(t)) / max(total - 1, 1)
+        pre = start_scales[t] * patterns.start + placed * others
         last = torch.where(_consistent(patterns, pre), torch.full_like(last, t), last)
     return last
 
@@ -235,6 +244,8 @@ class _Run:
     ) -> None:
         self.patterns = patterns
         self.schedule = schedule
+        self.share: list[list[float]] = schedule.share.tolist()  # read at every node: Python floats
+        self.start_scale: list[float] = schedule.start_scale.tolist()
         self.counts = counts
         self.step_product = products.get
         self._lasting: list[int] | None = None
@@ -249,9 +260,9 @@ class _Run:
         """``(m, N)`` pre-activations at the weights of ``step`` (default: ``len(products)``, right
         after the steps placed) from the placed steps' ``products``."""
         t = len(products) if step is None else step
-        pre = float(self.schedule.start_scale[t]) * self.patterns.start
+        pre = self.start_scale[t] * self.patterns.start
         for s, product in enumerate(products):
-            pre = pre + float(self.schedule.share[t, s]) * product
+            pre = pre + self.share[t][s] * product
         return pre
 
     def peel(
@@ -260,14 +271,17 @@ class _Run:
         products: list[torch.Tensor],
         remaining: list[int],
         budget: list[int],
+        consistent: list[bool] | None = None,
     ) -> tuple[list[tuple[int, ...]], torch.Tensor] | None:
-        """Depth-first: the samples of step ``len(order)`` among those matching its weights."""
+        """Depth-first: the samples of step ``len(order)`` among those matching its weights
+        (``consistent``, per sample, when the parent judged them with its siblings)."""
         patterns, counts = self.patterns, self.counts
         budget[0] -= 1
         if budget[0] < 0:
             return None
         t = len(order)
-        consistent = _consistent(patterns, self.pre_activations(products)).tolist()
+        if consistent is None:
+            consistent = _consistent(patterns, self.pre_activations(products)).tolist()
         candidates = [i for i in remaining if consistent[i]]
         need = counts[t]
         if len(candidates) < need:
@@ -279,14 +293,40 @@ class _Run:
         candidates.sort(key=lambda i: lasting[i])
         if t == len(counts) - 2:
             return self.peel_last_two(order, products, remaining, candidates, budget)
-        for chosen in itertools.combinations(candidates, need):
-            rest = [i for i in remaining if i not in chosen]
-            found = self.peel([*order, chosen], [*products, self.step_product(chosen)], rest, budget)
-            if found is not None:
-                return found
-            if budget[0] <= 0:
+        choices = itertools.combinations(candidates, need)
+        if math.comb(len(candidates), need) < JUDGE_TOGETHER:
+            for chosen in choices:
+                rest = [i for i in remaining if i not in chosen]
+                found = self.peel([*order, chosen], [*products, self.step_product(chosen)], rest, budget)
+                if found is not None:
+                    return found
+                if budget[0] <= 0:
+                    return None
+            return None
+        # many children: each one's samples are judged at its weights with a chunk of its siblings
+        base = self.pre_activations(products, step=t + 1)
+        share = self.share[t + 1][t]
+        chunk = max(1, min(CHILD_CHUNK, LEAF_CHUNK_ELEMENTS // max(1, patterns.start.numel())))
+        while True:
+            batch = list(itertools.islice(choices, min(chunk, max(1, budget[0]))))
+            if not batch:
                 return None
-        return None
+            chosen_rows = _indicator(batch, patterns.size, device=patterns.start.device)
+            judged = _choices_consistent(patterns, base, share, chosen_rows, remaining).tolist()
+            for chosen, row in zip(batch, judged, strict=True):
+                rest = [i for i in remaining if i not in chosen]
+                child = dict(zip(remaining, row, strict=True))
+                found = self.peel(
+                    [*order, chosen],
+                    [*products, self.step_product(chosen)],
+                    rest,
+                    budget,
+                    [child.get(i, False) for i in range(patterns.size)],
+                )
+                if found is not None:
+                    return found
+                if budget[0] <= 0:
+                    return None
 
     def result(
         self, order: list[tuple[int, ...]], products: list[torch.Tensor], remaining: list[int]
@@ -312,9 +352,13 @@ class _Run:
         m, n = self.patterns.start.shape
         chunk = max(1, LEAF_CHUNK_ELEMENTS // max(1, m * n))
         t = len(order) + 1  # the last step
-        share = float(self.schedule.share[t, t - 1])
+        share = self.share[t][t - 1]
         base = self.pre_activations(products, step=t)  # before the last but one step's share
-        choices = itertools.combinations(candidates, self.counts[t - 1])
+        need = self.counts[t - 1]
+        judge = _LastStepJudge(
+            self.patterns, base, share, remaining, choices=math.comb(len(candidates), need)
+        )
+        choices = itertools.combinations(candidates, need)
         while True:
             if budget[0] <= 0:  # the next child runs out of nodes
                 budget[0] -= 1
@@ -322,26 +366,79 @@ class _Run:
             batch = list(itertools.islice(choices, min(chunk, budget[0])))
             if not batch:
                 return None
-            step_products = [self.step_product(chosen) for chosen in batch]
-            pre = base[None] + share * torch.stack(step_products)
-            fits = _consistent_all(self.patterns, pre, [self._rest(remaining, chosen) for chosen in batch])
-            for chosen, product, fit in zip(batch, step_products, fits, strict=True):
-                budget[0] -= 1
-                if fit:
-                    return self.result([*order, chosen], [*products, product], self._rest(remaining, chosen))
-                if budget[0] <= 0:
-                    return None
+            first = judge.first_fit(batch)
+            if first is not None:  # its earlier siblings each cost a node, as it does
+                budget[0] -= first + 1
+                chosen = batch[first]
+                return self.result(
+                    [*order, chosen], [*products, self.step_product(chosen)], self._rest(remaining, chosen)
+                )
+            budget[0] -= len(batch)
+            if budget[0] <= 0:
+                return None
 
     @staticmethod
     def _rest(remaining: list[int], chosen: tuple[int, ...]) -> list[int]:
         return [i for i in remaining if i not in chosen]
 
 
-def _consistent_all(patterns: EpochPatterns, pre: torch.Tensor, columns: list[list[int]]) -> list[bool]:
-    """Per ``(m, N)`` slice of ``pre``: :func:`_consistent` holds for each of its ``columns``."""
-    inactive = pre < -patterns.ambiguity
-    active = pre > patterns.ambiguity
-    quiet = (active & patterns.zero).sum(dim=1)  # (k, N)
-    allowed = int(QUIET_FRACTION * patterns.zero.shape[0])
-    consistent = (~(inactive & ~patterns.zero).any(dim=1) & (quiet <= allowed)).tolist()
-    return [all(row[i] for i in index) for row, index in zip(consistent, columns, strict=True)]
+class _LastStepJudge:
+    """Which choices of the last but one step leave every remaining sample matching at the last
+    step's weights ``base + share * C_S G_S``.
+
+    A choice fails as soon as one sample left fails, so the samples are judged in two groups,
+    the second only over the choices the first left standing: first those that do not match
+    ``base`` (the chosen step must repair them, and mostly does not), then the others.
+    """
+
+    def __init__(
+        self, patterns: EpochPatterns, base: torch.Tensor, share: float, remaining: list[int], *, choices: int
+    ) -> None:
+        self.patterns = patterns
+        self.base = base
+        self.share = share
+        if choices < JUDGE_TOGETHER:  # too few to gain from splitting
+            self.groups = [remaining]
+            return
+        consistent = _consistent(patterns, base).tolist()
+        groups = ([i for i in remaining if not consistent[i]], [i for i in remaining if consistent[i]])
+        self.groups = [group for group in groups if group]
+
+    def first_fit(self, batch: list[tuple[int, ...]]) -> int | None:
+        """Index in ``batch`` of the first choice under which every sample left matches."""
+        standing = list(range(len(batch)))
+        for samples in self.groups:
+            chosen = _indicator([batch[k] for k in standing], self.patterns.size, device=self.base.device)
+            judged = _choices_consistent(self.patterns, self.base, self.share, chosen, samples)
+            passes = (judged | chosen[:, samples]).all(dim=1).tolist()  # a chosen sample is not left to judge
+            standing = [k for k, ok in zip(standing, passes, strict=True) if ok]
+            if not standing:
+                return None
+        return standing[0]
+
+
+def _indicator(batch: Sequence[tuple[int, ...]], size: int, *, device: torch.device) -> torch.Tensor:
+    """``(k, size)`` bool: the samples of each choice."""
+    rows = torch.zeros(len(batch), size, dtype=torch.bool)
+    rows[torch.arange(len(batch))[:, None], torch.tensor(batch, dtype=torch.int64)] = True
+    return rows.to(device)
+
+
+def _choices_consistent(
+    patterns: EpochPatterns,
+    base: torch.Tensor,
+    share: float,
+    chosen: torch.Tensor,
+    samples: list[int],
+) -> torch.Tensor:
+    """``(k, g)`` bool: :func:`_consistent` of ``samples`` at ``base + share * C_S G_S`` for each
+    choice ``S`` (a row of the ``(k, N)`` bool ``chosen``), all choices in one batched product."""
+    device = patterns.start.device
+    index = torch.tensor(samples, dtype=torch.int64, device=device)
+    gram = patterns.gram[:, index][None] * chosen[:, :, None]  # (k, N, g): the chosen samples' rows
+    pre = base[None, :, index] + share * (patterns.columns @ gram)  # (k, m, g)
+    zero = patterns.zero[None, :, index]
+    ambiguity = patterns.ambiguity[None, :, index]
+    mismatch = ((pre < -ambiguity) & ~zero).any(dim=1)
+    quiet = ((pre > ambiguity) & zero).sum(dim=1)
+    return ~mismatch & (quiet <= int(QUIET_FRACTION * patterns.zero.shape[0]))
