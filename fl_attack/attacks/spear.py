@@ -42,7 +42,6 @@ from fl_attack.pipeline.selection.select import (
     select,
 )
 from fl_attack.pipeline.selection.self_check import self_check
-from fl_attack.pipeline.side_information.estimated_head import interleave_estimated_head
 from fl_attack.pipeline.side_information.input_cone import InputSideSlot
 from fl_attack.pipeline.side_information.input_rounds import interleave_input_side
 from fl_attack.pipeline.side_information.missing_samples import (
@@ -360,15 +359,6 @@ class GradientInversionAttack(LayerAttackBase):
                     noisy=state.noisy,
                 )
                 proposals_iter = interleave_head_rounds(proposals_iter, head, pool=state.pool)
-            elif b > 1 and not state.noisy:  # no head given: estimate one where the update shows it
-                proposals_iter = interleave_estimated_head(
-                    proposals_iter,
-                    trusted=lambda: self._chosen(state),
-                    pool=state.pool,
-                    generator=state.generator,
-                    deadline=state.deadline,
-                    stats=state.stats,
-                )
             for proposals in proposals_iter:
                 rounds += 1
                 new = state.pool.add(proposals, deadline=state.deadline)
@@ -459,14 +449,6 @@ class GradientInversionAttack(LayerAttackBase):
         if state.noisy:
             return stale >= self.patience
         return stale >= 2 * self.patience and float(best.per_sample.min()) >= SETTLED_MATCHING
-
-    @staticmethod
-    def _chosen(state: SearchState) -> torch.Tensor:
-        """The directions the best selection so far took from the pool (none before one)."""
-        best = state.latest
-        if best is None:
-            return state.factors.left.new_zeros(0, state.factors.batch_size)
-        return best.directions[best.found]
 
     def _accepted(self, selection: Selection, scorer: SparsityMatchingScorer) -> bool:
         return scorer.accepts(selection, accept_matching=self.accept_matching)
