@@ -223,7 +223,8 @@ def test_complete_is_claimed_only_for_an_exact_reconstruction(shallow: ShallowBa
     quality = evaluate_reconstruction(rec.inputs, shallow.inputs.double())
     assert not rec.complete
     assert quality.exact_fraction < 1.0
-    assert rec.stats["head_searches"] <= 2
+    # under load the decomposition may not even finish in 0.01 s: then no head search ran at all
+    assert rec.stats.get("head_searches", 0) <= 2
 
 
 @pytest.mark.parametrize(
