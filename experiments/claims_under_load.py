@@ -41,8 +41,9 @@ def _twin_case() -> tuple[object, object, object]:
     return twin, *twin._quickstart_batch(24, image_twin=True)
 
 
-def run(*, runs: int, budget: float, sweep: Sequence[int]) -> tuple[list[str], int, int]:
-    """Attack the twin case beside a CPU hog; the table lines, the run count and the wrong claims."""
+def run(*, runs: int, budget: float, sweep: Sequence[int]) -> tuple[list[str], int, int, int]:
+    """Attack the twin case beside a CPU hog; the table lines, the run count, the complete claims
+    and the wrong claims."""
     torch.set_num_threads(1)
     twin, received, net, truth = _twin_case()
     plan = [budget] * runs + [float(seconds) for seconds in sweep]
@@ -51,7 +52,7 @@ def run(*, runs: int, budget: float, sweep: Sequence[int]) -> tuple[list[str], i
         "|---|---|---|---|---|---|---|---|",
     ]
     hog = subprocess.Popen(["bash", "-c", "while :; do :; done"])
-    wrong = 0
+    wrong = claimed = 0
     try:
         for number, seconds in enumerate(plan, 1):
             load = os.getloadavg()[0]
@@ -60,6 +61,7 @@ def run(*, runs: int, budget: float, sweep: Sequence[int]) -> tuple[list[str], i
             errors = twin._errors(truth, rows).min(axis=1)
             right = not complete or float(errors.max()) < EXACT_RELATIVE_ERROR
             wrong += not right
+            claimed += bool(complete)
             line = (
                 f"| {number} | {seconds:g} | {load:.1f} | {time.process_time() - cpu:.1f} | {complete} | "
                 f"{int((errors < EXACT_RELATIVE_ERROR).sum())}/{len(errors)} | {float(errors.max()):.2g} | "
@@ -69,7 +71,7 @@ def run(*, runs: int, budget: float, sweep: Sequence[int]) -> tuple[list[str], i
             lines.append(line)
     finally:
         hog.kill()
-    return lines, len(plan), wrong
+    return lines, len(plan), claimed, wrong
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,12 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=RESULT)
     args = parser.parse_args(argv)
     sweep = [int(value) for value in args.budgets.split(",") if value]
-    lines, total, wrong = run(runs=args.runs, budget=args.budget, sweep=sweep)
+    lines, total, claimed, wrong = run(runs=args.runs, budget=args.budget, sweep=sweep)
     header = [
         "Claims under a busy machine: the twin case of `tests/test_twin_planes.py` (seed 24) beside a CPU hog",
         f"(`python -m experiments.claims_under_load`, one torch thread, {os.cpu_count()} cores).",
         "",
-        f"**Wrong claims: {wrong} of {total} runs.**",
+        f"**Wrong claims: {wrong} of {total} runs** ({claimed} of them claimed the batch complete; a run",
+        "that withholds the claim cannot be wrong, so the claim's correctness under load rests on the",
+        "runs that made it and on the property tests).",
         "",
     ]
     args.output.write_text("\n".join([*header, *lines, ""]))
