@@ -9,6 +9,7 @@ from typing import TypeGuard
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import SType
 
 from fl_attack.audit import ClientIdentity, ClientUpdate, GroundTruth
 from fl_attack.audit.protocol import (
@@ -21,6 +22,8 @@ from fl_attack.audit.protocol import (
     TRAIN_MODE_KEY,
 )
 from fl_attack.audit.training_facts import TRAIN_CONFIG_KEYS, ServerTrainConfig, read_train_config
+
+from .npy_view import npy_view
 
 #: Records that only the audit reads; removed before the inner strategy aggregates.
 AUDIT_RECORDS = (AUDIT_KEY, GROUND_TRUTH_KEY)
@@ -82,7 +85,9 @@ class DecodedOnRead(Mapping[str, np.ndarray]):
 
     The audit reads one layer of each reply; decoding the whole model of every reply on the
     round's critical path (the inner strategy decodes them again to aggregate) cost most of the
-    audit's time in the round. A decoding failure raises ``ValueError`` naming the array.
+    audit's time in the round. An array is read in place, read-only, over the reply's own bytes
+    (:func:`strategies.npy_view.npy_view`) where it can be, so that a waiting update holds no
+    copy of what the reply already holds. A decoding failure raises ``ValueError`` naming the array.
     """
 
     def __init__(self, record: ArrayRecord) -> None:
@@ -91,7 +96,8 @@ class DecodedOnRead(Mapping[str, np.ndarray]):
     def __getitem__(self, key: str) -> np.ndarray:
         array = self._record[key]
         try:
-            return array.numpy()
+            in_place = npy_view(array.data) if array.stype == SType.NUMPY else None
+            return in_place if in_place is not None else array.numpy()
         except Exception as failure:  # any undecodable payload is a malformed reply
             raise ValueError(f"array {key!r} of the reply cannot be decoded: {failure}") from failure
 

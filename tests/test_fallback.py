@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -181,6 +182,64 @@ class GivingUpAttacker(LayerAttackBase):
         raise ValueError("the exact attack gives up")
 
 
+class GivingUpInItsProcess(LayerAttackBase):
+    """An exact attack that fails at once, saying which process it ran in."""
+
+    name = "giving-up"
+
+    def attack(self, update: LayerUpdate[np.ndarray], /, **options: Any) -> Reconstruction:
+        raise ValueError(f"the exact attack gives up in process {os.getpid()}")
+
+
+class FallbackInItsProcess(LayerAttackBase):
+    """A fallback that fails at once, saying which process it ran in."""
+
+    name = "process-reporting"
+
+    def attack(self, update: LayerUpdate[np.ndarray], /, **options: Any) -> Reconstruction:
+        raise ValueError(f"the fallback gives up in process {os.getpid()}")
+
+
+@pytest.mark.parametrize("pool_workers", [0, 1])
+def test_the_fallback_runs_in_the_exact_attacks_worker_process(pool_workers: int) -> None:
+    """One worker process per runner, forked at start-up, runs both attacks: the fallback forks no
+    second process (one forked mid-run would keep a copy of the server's memory of that moment)."""
+    global_arrays, update, _ = _update(b=6, width=200)
+    auditor = Auditor(
+        GivingUpInItsProcess(),
+        attack=AttackSettings(timeout=120.0, fallback=FallbackInItsProcess()),
+        execution=ExecutionSettings(isolation="process", priority="low", workers=pool_workers),
+    )
+    try:
+        auditor.start_round(1, global_arrays)
+        auditor.audit_round(1, [update])
+        assert auditor.drain(timeout=120.0)
+        records = list(auditor.records)
+        made_by_fallback = list(auditor.fallback._runners._made)  # pylint: disable=protected-access
+    finally:
+        auditor.close()
+
+    assert [record.attack.get("attack") for record in records] == ["giving-up", "process-reporting"]
+    pids = [re.search(r"gives up in process (\d+)", record.error or "") for record in records]
+    assert all(pids), [record.error for record in records]
+    exact_pid, fallback_pid = (int(found.group(1)) for found in pids if found is not None)
+    assert exact_pid == fallback_pid != os.getpid()
+    assert made_by_fallback == []
+
+
+def test_a_fallback_with_its_own_runner_where_the_exact_attack_shares_none(tmp_path: Path) -> None:
+    """Thread runners have no worker to share: the fallback gets a runner of its own, as before."""
+    global_arrays, update, _ = _update(b=6, width=200)
+    auditor = Auditor(
+        GivingUpInItsProcess(),
+        attack=AttackSettings(timeout=120.0, fallback=FallbackInItsProcess()),
+        execution=ExecutionSettings(isolation="thread", workers=1),
+    )
+    records = _audit(auditor, global_arrays, update)
+    assert [record.attack.get("attack") for record in records] == ["giving-up", "process-reporting"]
+    assert len(auditor.fallback._runners._made) == 1  # pylint: disable=protected-access
+
+
 class CheckpointGate:
     """A fallback worker's pipe: the runner's wait for the result starts once the attack has
     checkpointed (a worker at low priority on a busy machine may take long to get there)."""
@@ -209,7 +268,8 @@ def test_a_fallback_stopped_at_its_timeout_keeps_its_last_estimate(
 
     def gated_start(runner: workers.ProcessAttackRunner) -> str | None:
         failure = start(runner)
-        if failure is None and isinstance(runner.attacker, CocktailPartyAttack):
+        # the fallback runs in the exact attack's worker: gate the worker that also runs it
+        if failure is None and any(isinstance(each, CocktailPartyAttack) for each in runner.attackers):
             runner._connection = CheckpointGate(runner._connection, runner)  # type: ignore[assignment]  # pylint: disable=protected-access
         return failure
 

@@ -201,3 +201,27 @@ def test_a_forked_worker_runs_parallel_torch_after_the_server_did() -> None:
         assert result.status == "ok", result.error
     finally:
         torch.set_num_threads(threads)
+
+
+class OnDevice(PicklableAttacker):
+    """An attacker that says where it runs."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+
+def test_a_worker_runs_only_the_companions_it_was_made_with() -> None:
+    from fl_attack.audit.workers import ProcessAttackRunner, worker_start_method
+
+    primary, companion = OnDevice("cpu"), OnDevice("cpu")
+    runner = ProcessAttackRunner(primary, companions=(companion,), start_method="fork")
+    shared = runner.sharing(companion)
+    assert shared is not None and shared.attacker is companion
+    assert runner.sharing(OnDevice("cpu")) is None  # an equal attacker that was not given: its own runner
+    assert runner.sharing(primary) is None  # the runner's own attacker runs through run()
+    assert ProcessAttackRunner(primary).sharing(companion) is None
+    # one worker for both: forked only when each attacker could run in a forked worker
+    if worker_start_method(primary) == "fork":
+        assert worker_start_method(primary, companion) == "fork"
+        assert worker_start_method(primary, OnDevice("cuda:0")) == "spawn"
+        assert worker_start_method(OnDevice("cuda:0"), companion) == "spawn"

@@ -107,8 +107,13 @@ class Auditor:
         #: The optional parts of an update the attacker reads (the train config reaches it only then).
         self._uses: frozenset[str] = frozenset(getattr(attacker, "uses", frozenset()))
         self.fallback = build_fallback(attack, seed=seed, execution=execution, keeper=self.keeper)
-        self.runner = execution.make_runner(attacker)
-        self._pool_runners = RunnerPerThread(functools.partial(execution.make_runner, attacker))
+        # the fallback runs in the exact attack's worker: one process forked at start-up, not a
+        # second one forked at the first fallback, while the server holds a round's replies
+        companions = self.fallback.companions
+        self.runner = execution.make_runner(attacker, companions=companions)
+        self._pool_runners = RunnerPerThread(
+            functools.partial(execution.make_runner, attacker, companions=companions)
+        )
         self.pool = (
             AttackPool(
                 workers=execution.workers,
@@ -200,7 +205,7 @@ class Auditor:
                 prepared = prepared.materialized()
                 record = self.fallback.annotate(prepared, self._run_job(prepared, time.time()))
                 produced.append(self.keeper.keep(record))
-                produced.extend(self.fallback.run(prepared, produced[-1]))
+                produced.extend(self.fallback.run(prepared, produced[-1], beside=self.runner))
             else:
                 self.pool.submit(
                     unit_name(members),
@@ -224,10 +229,12 @@ class Auditor:
         return True if self.pool is None else self.pool.drain(timeout)
 
     def _pool_job(self, prepared: Prepared, queued_at: float) -> None:
+        runner: AttackRunner | None = None
         try:
+            runner = self._pool_runners.get()
             # the float64 update exists only while its attack (and the fallback) runs
             prepared = prepared.materialized()
-            record = self._run_job(prepared, queued_at, runner=self._pool_runners.get())
+            record = self._run_job(prepared, queued_at, runner=runner)
         except Exception as error:  # never lose an attack to a bug: record it
             record = self._failed(
                 prepared.server_round,
@@ -235,7 +242,7 @@ class Auditor:
                 f"audit failed: {type(error).__name__}: {error}",
                 None,
             )
-        self.fallback.run(prepared, self.keeper.keep(self.fallback.annotate(prepared, record)))
+        self.fallback.run(prepared, self.keeper.keep(self.fallback.annotate(prepared, record)), beside=runner)
         del prepared, record
         # queued updates are freed in the order attacks finish: give their pages back
         release_freed_memory()

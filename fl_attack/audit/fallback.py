@@ -190,8 +190,13 @@ class AttackFallback:
             return estimate
         return total_examples(prepared.members) or None
 
-    def run(self, prepared: Prepared, primary: AttackRecord) -> list[AttackRecord]:
+    def run(
+        self, prepared: Prepared, primary: AttackRecord, *, beside: AttackRunner | None = None
+    ) -> list[AttackRecord]:
         """Attack ``prepared`` again after ``primary`` and hand the record to the record keeper.
+
+        ``beside`` is the exact attack's runner: the fallback runs in its worker where it has one
+        for the fallback (:meth:`AttackRunner.sharing`), else in a runner of its own.
 
         Returns
         -------
@@ -204,7 +209,8 @@ class AttackFallback:
         queued_at = started_at = time.time()
         try:
             batch_size = self.batch_size(prepared, primary)
-            runner = self._runners.get()
+            shared = None if beside is None or self.attacker is None else beside.sharing(self.attacker)
+            runner = shared if shared is not None else self._runners.get()
             started_at = time.time()
             result = runner.run(
                 prepared.delta,
@@ -229,8 +235,14 @@ class AttackFallback:
                 return []
         return [self.keeper.keep(record)]
 
+    @property
+    def companions(self) -> tuple[LayerAttack, ...]:
+        """What the exact attack's workers should also run (:meth:`AttackRunner.sharing`): the
+        fallback attack, or nothing when it is disabled."""
+        return () if self.attacker is None else (self.attacker,)
+
     def close(self) -> None:
-        """Stop the fallback's runners (each pool thread's)."""
+        """Stop the fallback's own runners (each pool thread's), where it made any."""
         self._runners.close()
 
     def _make_runner(self) -> AttackRunner:

@@ -205,7 +205,7 @@ def layer_arrays(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.
     """The layer's weight and bias from ``arrays`` as they are (their dtype), reading no other array.
 
     An array that is a view into a larger buffer is copied, so that keeping the result never
-    keeps that buffer.
+    keeps that buffer (a view of an ``.npy`` payload, behind its header, is kept as it is).
 
     Raises
     ------
@@ -221,8 +221,14 @@ def layer_arrays(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.
     return _owned(arrays[keys[layer.weight]]), _owned(arrays[keys[layer.bias]])
 
 
+#: Bytes an immutable ``bytes`` buffer may hold beyond the array kept from it: an ``.npy``
+#: payload's header (a Flower reply's array read in place, 128 bytes as ``numpy.save`` writes it).
+HEADER_BYTES = 4096
+
+
 def _owned(values: np.ndarray) -> np.ndarray:
-    """``values``, or a copy when it is a view into a larger buffer (a slice of a whole state dict)."""
+    """``values``, or a copy when it is a view into a larger buffer (a slice of a whole state dict);
+    an ``.npy`` payload's ``bytes``, larger only by their header (:data:`HEADER_BYTES`), are kept."""
     array = np.asarray(values)
     root: object = array
     while isinstance(root, np.ndarray) and root.base is not None:
@@ -231,7 +237,8 @@ def _owned(values: np.ndarray) -> np.ndarray:
         size = root.nbytes if isinstance(root, np.ndarray) else memoryview(root).nbytes  # type: ignore[arg-type]
     except TypeError:  # a base without a buffer: its size is unknown
         return array.copy()
-    return array if size <= array.nbytes else array.copy()
+    header = HEADER_BYTES if isinstance(root, bytes) else 0
+    return array if size <= array.nbytes + header else array.copy()
 
 
 def layer_parameters(arrays: NamedArrays, layer: LayerKeys) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ updates of a round are attacked; :class:`SecAggSettings` the simulated secure ag
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from fl_attack.simulate.secagg import SecAggPlusQuantization
@@ -120,15 +120,16 @@ class ExecutionSettings:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
 
-    def make_runner(self, attacker: LayerAttack) -> AttackRunner:
-        """A runner of ``attacker`` on this backend: a Ray task runner, or a local thread or process."""
+    def make_runner(self, attacker: LayerAttack, *, companions: Sequence[LayerAttack] = ()) -> AttackRunner:
+        """A runner of ``attacker`` on this backend: a Ray task runner, or a local thread or process
+        (a worker process also runs ``companions``: :meth:`AttackRunner.sharing`)."""
         if self.backend == "ray":
             from .ray_runner import RayAttackRunner  # Ray is imported only when asked for
 
             return RayAttackRunner(
                 attacker, address=self.ray_address, num_cpus=self.attack_cpus, num_gpus=self.attack_gpus
             )
-        return make_runner(attacker, self.isolation, priority=self.priority)
+        return make_runner(attacker, self.isolation, priority=self.priority, companions=companions)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,10 +27,13 @@ logger = logging.getLogger(__name__)
 #: The private folder of the run directory that holds waiting updates (removed on close).
 SPILL_FOLDER = ".attack-queue"
 
-#: Waiting updates may take this much memory before new ones go to files (64 MiB: about 25
-#: updates at m = 200 on CIFAR-10; the audit's whole share of a run's memory is meant to stay
-#: under 300 MiB, :mod:`experiments.audit_overhead`).
-SPILL_AFTER_BYTES = 64 * 1024 * 1024
+#: Waiting updates may take this much memory before new ones go to files (16 MiB: 6 updates at
+#: m = 200 on CIFAR-10, about 4 s of SPEAR++ attacks on 2 busy cores, so the worker never waits
+#: for the disk: a spilled update is read back from the file cache). Those in memory outlive
+#: their round's replies: at 64 MiB the ones of one round were still held at the next round's
+#: peak; the audit's whole share of a run's memory is meant to stay under 300 MiB
+#: (:mod:`experiments.audit_overhead`).
+SPILL_AFTER_BYTES = 16 * 1024 * 1024
 
 
 class QueueSpill:

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -310,6 +311,13 @@ class AttackRunner(ABC):
     ) -> AttackResult:
         """Invert one update (see :func:`run_attack` for the parameters)."""
 
+    def sharing(self, attacker: LayerAttack) -> AttackRunner | None:
+        """A runner of ``attacker`` in this runner's own worker, or None when this runner has none
+        to share or was not made for ``attacker`` (:meth:`ProcessAttackRunner.sharing`): the
+        caller then makes its own runner."""
+        del attacker
+        return None
+
     def prestart(self) -> None:  # noqa: B027 - a runner without a worker has nothing to start
         """Start what the runner needs before its first attack, where starting it early saves
         memory (:meth:`ProcessAttackRunner.prestart`)."""
@@ -375,9 +383,9 @@ def _yield_the_cores(priority: str, pid: int = 0) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, 19)
 
 
-def _worker_main(connection: Connection, attacker: LayerAttack, priority: str = "idle") -> None:
-    """Worker loop: receive ``(update, batch_size, time_budget, checkpoint)``, send pickled
-    results; the attack's partial results go to the file ``checkpoint`` meanwhile."""
+def _worker_main(connection: Connection, attackers: tuple[LayerAttack, ...], priority: str = "idle") -> None:
+    """Worker loop: receive ``(attacker index, update, batch_size, time_budget, checkpoint)``,
+    send pickled results; the attack's partial results go to the file ``checkpoint`` meanwhile."""
     _yield_the_cores(priority)
     _name_this_process(WORKER_PROCESS_NAME)
     # Ctrl-C reaches the whole process group: the server handles it and stops its workers (a
@@ -397,10 +405,10 @@ def _worker_main(connection: Connection, attacker: LayerAttack, priority: str = 
             return
         if job is None:
             return
-        update, batch_size, time_budget, checkpoint = job
+        index, update, batch_size, time_budget, checkpoint = job
         try:
             with reporting_to(CheckpointFile(checkpoint)):
-                payload = pickle.dumps(_invert(attacker, update, batch_size, time_budget))
+                payload = pickle.dumps(_invert(attackers[index], update, batch_size, time_budget))
             connection.send(("ok", payload, None))
             release_freed_memory()  # the attack's temporaries, freed in whatever order
         except BaseException as error:  # pylint: disable=broad-exception-caught
@@ -441,7 +449,7 @@ def _fork_from_a_fresh_thread(process: Any) -> None:
         raise failures[0]
 
 
-def worker_start_method(attacker: LayerAttack) -> str:
+def worker_start_method(attacker: LayerAttack, *companions: LayerAttack) -> str:
     """How a worker process for ``attacker`` starts: ``"fork"`` for a CPU attack on Linux, else
     ``"spawn"``.
 
@@ -450,8 +458,12 @@ def worker_start_method(attacker: LayerAttack) -> str:
     proportional set size after a SPEAR++ attack on a 200 x 3072 layer, against +387 MiB for a
     spawned worker. It also never
     re-runs the server's ``__main__`` module, as ``spawn`` does. A CUDA attack needs ``spawn``: a
-    forked child cannot use a CUDA context its parent holds.
+    forked child cannot use a CUDA context its parent holds. A worker that also runs
+    ``companions`` (:class:`ProcessAttackRunner`) is forked only when every one of them could be.
     """
+    if companions:
+        methods = {worker_start_method(each) for each in (attacker, *companions)}
+        return "spawn" if "spawn" in methods else "fork"
     if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
         return "spawn"
     import torch  # pylint: disable=import-outside-toplevel
@@ -482,16 +494,26 @@ class ProcessAttackRunner(AttackRunner):
         ``multiprocessing`` start method; None chooses :func:`worker_start_method`.
     priority : str (default: "idle")
         The worker's CPU priority, ``"idle"`` or ``"low"`` (see :data:`WORKER_PRIORITIES`).
+    companions : Sequence[LayerAttack] (default: ())
+        Further attackers the same worker runs, each through :meth:`sharing` (the auditor's
+        fallback attack): one worker process, forked once, instead of one per attacker. A
+        companion's attack stopped at the timeout stops the worker, as the attacker's own does.
     """
 
     def __init__(
-        self, attacker: LayerAttack, *, start_method: str | None = None, priority: str = "idle"
+        self,
+        attacker: LayerAttack,
+        *,
+        start_method: str | None = None,
+        priority: str = "idle",
+        companions: Sequence[LayerAttack] = (),
     ) -> None:
         if priority not in WORKER_PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
         super().__init__(attacker)
         self.priority = priority
-        self.start_method = start_method or worker_start_method(attacker)
+        self.attackers: tuple[LayerAttack, ...] = (attacker, *companions)
+        self.start_method = start_method or worker_start_method(attacker, *companions)
         self._context: Any = multiprocessing.get_context(self.start_method)
         self._process: Any = None
         self._connection: Connection | None = None
@@ -515,7 +537,7 @@ class ProcessAttackRunner(AttackRunner):
         parent, child = self._context.Pipe()
         process = self._context.Process(
             target=_worker_main,
-            args=(child, self.attacker, self.priority),
+            args=(child, self.attackers, self.priority),
             name="fl-attack-worker",
             daemon=True,
         )
@@ -562,6 +584,26 @@ class ProcessAttackRunner(AttackRunner):
         timeout: float | None = None,
     ) -> AttackResult:
         """Invert one update in the worker; a timed-out attack is killed."""
+        return self.run_as(0, update, batch_size=batch_size, time_budget=time_budget, timeout=timeout)
+
+    def sharing(self, attacker: LayerAttack) -> AttackRunner | None:
+        """A runner of ``attacker`` in this runner's worker when it is one of its companions (by
+        identity); None otherwise."""
+        for index, companion in enumerate(self.attackers[1:], start=1):
+            if companion is attacker:
+                return _CompanionRunner(self, index)
+        return None
+
+    def run_as(
+        self,
+        index: int,
+        update: LayerUpdate[np.ndarray],
+        *,
+        batch_size: int | None = None,
+        time_budget: float | None = None,
+        timeout: float | None = None,
+    ) -> AttackResult:
+        """Invert one update with ``self.attackers[index]`` in the worker; a timed-out attack is killed."""
         if self._process is None or not self._process.is_alive():
             self._stop(kill=True)
             failure = self._start()
@@ -572,7 +614,7 @@ class ProcessAttackRunner(AttackRunner):
         start = time.perf_counter()
         cpu_before = process_cpu_seconds(self._process.pid)
         try:
-            self._connection.send((update, batch_size, time_budget, checkpoint))
+            self._connection.send((index, update, batch_size, time_budget, checkpoint))
             ready = self._connection.poll(timeout)
             seconds = time.perf_counter() - start
             if not ready:
@@ -637,10 +679,38 @@ class ProcessAttackRunner(AttackRunner):
             self._checkpoints = None
 
 
-def make_runner(attacker: LayerAttack, isolation: str, *, priority: str = "idle") -> AttackRunner:
-    """A runner for ``isolation`` ``"thread"`` or ``"process"`` (a worker at ``priority``)."""
+class _CompanionRunner(AttackRunner):
+    """Runs a companion attacker of a :class:`ProcessAttackRunner` in that runner's worker."""
+
+    def __init__(self, owner: ProcessAttackRunner, index: int) -> None:
+        super().__init__(owner.attackers[index])
+        self._owner, self._index = owner, index
+
+    def run(
+        self,
+        update: LayerUpdate[np.ndarray],
+        *,
+        batch_size: int | None = None,
+        time_budget: float | None = None,
+        timeout: float | None = None,
+    ) -> AttackResult:
+        """Invert one update in the owner's worker (see :meth:`ProcessAttackRunner.run_as`)."""
+        return self._owner.run_as(
+            self._index, update, batch_size=batch_size, time_budget=time_budget, timeout=timeout
+        )
+
+
+def make_runner(
+    attacker: LayerAttack,
+    isolation: str,
+    *,
+    priority: str = "idle",
+    companions: Sequence[LayerAttack] = (),
+) -> AttackRunner:
+    """A runner for ``isolation`` ``"thread"`` or ``"process"`` (a worker at ``priority``, which
+    also runs ``companions``: :meth:`AttackRunner.sharing`; a thread runner runs none)."""
     if isolation == "thread":
         return ThreadAttackRunner(attacker)
     if isolation == "process":
-        return ProcessAttackRunner(attacker, priority=priority)
+        return ProcessAttackRunner(attacker, priority=priority, companions=companions)
     raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
