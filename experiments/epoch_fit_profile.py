@@ -29,15 +29,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from experiments.config import Setting, parse_cells
-from experiments.fedavg_training import TrainingCell
+from experiments.fedavg_training import TrainingCell, client_update
 from experiments.host_sync_census import Census
 from experiments.observe import draw_trial, observe
 from fl_attack import SpearPlusPlus
-from fl_attack.data.images import ImageData, load_dataset, sample_batch
+from fl_attack.data.images import ImageData, load_dataset
 from fl_attack.pipeline.local_training.epoch_reach import unreachable
 from fl_attack.pipeline.local_training.epoch_scorer import LocalEpochScorer
 from fl_attack.pipeline.local_training.local_epochs import MOMENTA, EpochPatterns, fit_one_epoch
-from fl_attack.simulate.victims import build_victim, fedavg_update, first_linear
 
 
 @dataclass(frozen=True)
@@ -87,22 +86,7 @@ def attack_fedavg(text: str, *, data: ImageData, budget: float, source: list[str
     cell = TrainingCell.parse(":".join(fields))
     for seed in range(int(clients)):
         source[0] = f"FedAvg N {cell.samples} B {cell.batch} momentum {cell.momentum:g} client {seed}"
-        model = build_victim(
-            "spear++", input_dim=data.input_dim, width=cell.width, num_classes=data.num_classes, seed=seed
-        )
-        images, labels, _ = sample_batch(data, cell.samples, seed=seed)
-        weight_delta, bias_delta = fedavg_update(
-            model,
-            images,
-            labels,
-            lr=cell.lr,
-            epochs=cell.epochs,
-            mini_batch_size=cell.batch,
-            seed=seed,
-            momentum=cell.momentum,
-            weight_decay=cell.weight_decay,
-        )
-        _, layer = first_linear(model)
+        _, weight_delta, bias_delta, layer = client_update(cell, data, seed=seed)
         SpearPlusPlus(seed=0, time_budget=budget, progress=False).invert(
             weight_delta, bias_delta, weight=layer.weight.detach(), bias=layer.bias.detach()
         )

@@ -96,6 +96,30 @@ DEFAULT_CELLS = (
 )
 
 
+def client_update(
+    cell: TrainingCell, data: ImageData, *, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.nn.Linear]:
+    """One client of ``cell`` (victim, data draw and shuffling seeded by ``seed``): its images,
+    the first layer's ``W_E - W_0`` and ``b_E - b_0``, and that layer of the global model."""
+    model = build_victim(
+        "spear++", input_dim=data.input_dim, width=cell.width, num_classes=data.num_classes, seed=seed
+    )
+    images, labels, _ = sample_batch(data, cell.samples, seed=seed)
+    weight_delta, bias_delta = fedavg_update(
+        model,
+        images,
+        labels,
+        lr=cell.lr,
+        epochs=cell.epochs,
+        mini_batch_size=cell.batch,
+        seed=seed,
+        momentum=cell.momentum,
+        weight_decay=cell.weight_decay,
+    )
+    _, layer = first_linear(model)
+    return images, weight_delta, bias_delta, layer
+
+
 @dataclass(frozen=True)
 class CellResult:
     cell: TrainingCell
@@ -112,22 +136,7 @@ def run_cell(cell: TrainingCell, data: ImageData, *, batches: int, time_budget: 
     exact = approx = claimed = wrong = 0
     seconds: list[float] = []
     for seed in range(batches):
-        model = build_victim(
-            "spear++", input_dim=data.input_dim, width=cell.width, num_classes=data.num_classes, seed=seed
-        )
-        images, labels, _ = sample_batch(data, cell.samples, seed=seed)
-        weight_delta, bias_delta = fedavg_update(
-            model,
-            images,
-            labels,
-            lr=cell.lr,
-            epochs=cell.epochs,
-            mini_batch_size=cell.batch,
-            seed=seed,
-            momentum=cell.momentum,
-            weight_decay=cell.weight_decay,
-        )
-        _, layer = first_linear(model)
+        images, weight_delta, bias_delta, layer = client_update(cell, data, seed=seed)
         start = time.perf_counter()
         rec = SpearPlusPlus(seed=0, time_budget=time_budget, progress=False).invert(
             weight_delta, bias_delta, weight=layer.weight.detach(), bias=layer.bias.detach()
