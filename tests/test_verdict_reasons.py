@@ -179,3 +179,59 @@ def test_an_attack_that_estimated_no_batch_size_says_so_and_why(stop_reason: str
     verdict, reason = _reason(stats)
     assert "0 of 0" not in reason and "batch of 0" not in reason
     assert (verdict, reason) == ("failed", f"no sample recovered: the batch size was not estimated ({why})")
+
+
+SPARSITY_OUT_OF_REACH = (
+    ": each sample must leave at least 65 of the layer's 116 live neurons inactive to be found (more than "
+    "half), which a ReLU layer rarely does"
+)
+
+
+@pytest.mark.parametrize(
+    ("stats", "verdict", "before"),
+    [
+        ({"directions_found": 0, "stopped_by": "time_budget"}, "timeout",
+         "the attack spent its whole 30 s budget with 0 of 64 samples found"),
+        ({"directions_found": 0, "stopped_by": "no_improvement"}, "failed",
+         "no sample recovered of an estimated batch of 64 (the search stopped when more proposals no longer "
+         "improved it)"),
+        ({"directions_found": 3}, "approximate",
+         "3 of 64 samples recovered with a consistent ReLU pattern; the rest were not found"),
+    ],
+)  # fmt: skip
+def test_a_batch_needing_most_of_the_layer_inactive_per_sample_says_so(
+    stats: dict[str, Any], verdict: str, before: str
+) -> None:
+    # the quickstart CNN's fc1 on a client of 64 images: 116 of its 120 neurons live
+    attack = {"batch_size": 64, "informative_rows": 116, "min_zeros": 65, **stats}
+    decided, reason = _reason(attack, signature=lambda: LOW_RANK, time_budget=30.0)
+    assert (decided, reason) == (verdict, before + SPARSITY_OUT_OF_REACH)
+    # a batch of 57 needs 58 zeros, exactly half of 116: not out of reach, no such reason
+    decided, reason = _reason({**attack, "batch_size": 57}, signature=lambda: LOW_RANK, time_budget=30.0)
+    assert decided == verdict
+    assert reason == before.replace("64", "57")
+    assert "live neurons" not in reason
+
+
+def test_a_batch_at_most_half_the_live_neurons_gets_no_sparsity_reason() -> None:
+    stats = {"batch_size": 8, "directions_found": 5, "stopped_by": "time_budget", "informative_rows": 116}
+    verdict, reason = _reason(stats, signature=lambda: LOW_RANK, time_budget=30.0)
+    assert (verdict, reason) == (
+        "timeout",
+        "the attack spent its whole 30 s budget with 5 of 8 samples found",
+    )
+    # without the attack's count of live neurons the verdict says nothing of them
+    verdict, reason = _reason(
+        {**stats, "batch_size": 64, "informative_rows": None}, signature=lambda: LOW_RANK, time_budget=30.0
+    )
+    assert reason == "the attack spent its whole 30 s budget with 5 of 64 samples found"
+
+
+def test_a_batch_needing_more_zeros_than_live_neurons_says_so() -> None:
+    stats = {"batch_size": 64, "directions_found": 0, "stopped_by": "time_budget", "informative_rows": 64}
+    verdict, reason = _reason(stats, signature=lambda: LOW_RANK, time_budget=30.0)
+    assert (verdict, reason) == (
+        "timeout",
+        "the attack spent its whole 30 s budget with 0 of 64 samples found: each sample must leave at least "
+        "65 live neurons inactive to be found, and the layer has only 64",
+    )

@@ -235,7 +235,9 @@ def decide_verdict(
             elif all_found:
                 progress = f": {_all_found_unconfirmed(attack, b)}"
             else:
-                progress = f" with {found} of {b} samples found{_certified_note(attack)}"
+                progress = (
+                    f" with {found} of {b} samples found{_certified_note(attack)}{_sparsity_note(attack, b)}"
+                )
             return Verdict(VERDICT_TIMEOUT, f"the attack spent its whole {spent}budget{progress}")
         if b <= 0:  # never "0 of 0 samples": say why there was no batch to search
             why = attack.get("stop_reason") or "the attack reported no batch size"
@@ -248,10 +250,16 @@ def decide_verdict(
             return Verdict(
                 VERDICT_APPROXIMATE,
                 f"{found} of {b} samples recovered with a consistent ReLU pattern{_certified_note(attack)}; "
-                "the rest were not found" + _search_stop(attack) + _features_note(input_space),
+                "the rest were not found"
+                + _search_stop(attack)
+                + _sparsity_note(attack, b)
+                + _features_note(input_space),
             )
         return Verdict(
-            VERDICT_FAILED, f"no sample recovered of an estimated batch of {b}" + _search_stop(attack)
+            VERDICT_FAILED,
+            f"no sample recovered of an estimated batch of {b}"
+            + _search_stop(attack)
+            + _sparsity_note(attack, b),
         )
     if status == STATUS_TIMEOUT:
         stopped = error or "the attack did not finish within its hard limit"
@@ -328,6 +336,31 @@ def _certified_note(attack: Mapping[str, Any]) -> str:
     (:mod:`fl_attack.pipeline.side_information.next_layer`), when it did."""
     certified = int(attack.get("next_layer_certified", 0) or 0)
     return f" ({certified} of them confirmed one by one through the next layer's update)" if certified else ""
+
+
+def _sparsity_note(attack: Mapping[str, Any], b: int) -> str:
+    """Why samples of a batch of ``b`` are out of the search's reach on this layer, when they are.
+
+    A sample is found only through a gradient column with at least ``b + 1`` zeros among the
+    layer's live neurons (the attack's ``informative_rows``); where that is more than half of
+    them, each sample must leave most of the layer inactive, which a ReLU layer rarely does.
+    """
+    rows = attack.get("informative_rows")
+    if not isinstance(rows, (int, float)) or isinstance(rows, bool) or b <= 1:
+        return ""
+    live = int(rows)
+    needed = b + 1
+    if needed > live:
+        return (
+            f": each sample must leave at least {needed} live neurons inactive to be found, "
+            f"and the layer has only {live}"
+        )
+    if 2 * needed <= live:
+        return ""
+    return (
+        f": each sample must leave at least {needed} of the layer's {live} live neurons inactive to be "
+        "found (more than half), which a ReLU layer rarely does"
+    )
 
 
 def _search_stop(attack: Mapping[str, Any]) -> str:
