@@ -195,7 +195,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("attack-device", "auto", "auto, cpu or cuda[:N]", "audit"),
     Setting("attack-seed", 0, "seed of the attack and of the attacked-update draw", "audit"),
-    Setting("output-dir", "", "where the run is stored (default outputs/audit-<timestamp>)", "audit"),
+    Setting(
+        "output-dir",
+        "",
+        "where the run is stored (default outputs/<timestamp>; fl-attack-audit: outputs/audit-<timestamp>)",
+        "audit",
+    ),
     Setting(
         "attack-workers",
         1,

@@ -235,3 +235,17 @@ def test_a_batch_needing_more_zeros_than_live_neurons_says_so() -> None:
         "the attack spent its whole 30 s budget with 0 of 64 samples found: each sample must leave at least "
         "65 live neurons inactive to be found, and the layer has only 64",
     )
+
+
+def test_a_spent_share_of_the_budget_is_named_as_a_share() -> None:
+    # beside the next-layer route the exact attack gets part of the audit's budget
+    stats = {"directions_found": 0, "stopped_by": "time_budget", "time_budget": 15.0}
+    verdict, reason = _reason(stats, signature=lambda: LOW_RANK, time_budget=30.0)
+    assert (verdict, reason) == (
+        "timeout",
+        "the attack spent its whole 15 s share of the 30 s budget with 0 of 4 samples found",
+    )
+    whole = {**stats, "time_budget": 30.0}
+    assert _reason(whole, signature=lambda: LOW_RANK, time_budget=30.0)[1].startswith(
+        "the attack spent its whole 30 s budget"
+    )

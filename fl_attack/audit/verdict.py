@@ -229,6 +229,10 @@ def decide_verdict(
         all_found = b > 0 and found >= b
         if attack.get("stopped_by") == "time_budget":
             spent = f"{time_budget:g} s " if time_budget else ""
+            share = attack.get("time_budget")
+            if time_budget and isinstance(share, (int, float)) and 0 < share < 0.999 * time_budget:
+                # the exact attack got a share: the rest was kept for the next-layer route
+                spent = f"{share:g} s share of the {time_budget:g} s "
             if b <= 0:
                 why = attack.get("stop_reason") or "the budget ran out before the search"
                 progress = f": the batch size was not estimated ({why})"
