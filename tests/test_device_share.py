@@ -111,6 +111,9 @@ class FakeCuda:
             self._current.stream = before
 
     def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
+        # what torch accepts: a float, and an index or None (the current device)
+        if not isinstance(fraction, float) or not (device is None or isinstance(device, int)):
+            raise TypeError(f"torch refuses set_per_process_memory_fraction({fraction!r}, {device!r})")
         self.fractions.append((fraction, device))
 
 
@@ -148,11 +151,7 @@ def test_the_cap_sets_the_fraction_on_the_attackers_cuda_device(fake_cuda: FakeC
     assert cap_gpu_memory(0.3, DeviceAttacker("cuda:1")) is True
     assert cap_gpu_memory(0.25, DeviceAttacker("auto")) is True
     assert cap_gpu_memory(1.0, DeviceAttacker("cuda")) is True
-    assert fake_cuda.fractions == [
-        (0.3, torch.device("cuda", 1)),
-        (0.25, torch.device("cuda")),
-        (1.0, torch.device("cuda")),
-    ]
+    assert fake_cuda.fractions == [(0.3, 1), (0.25, None), (1.0, None)]  # None: the current device
 
 
 def test_the_cap_does_nothing_without_a_share_or_on_the_cpu(fake_cuda: FakeCuda) -> None:
@@ -219,11 +218,11 @@ def test_a_failing_cuda_attack_synchronizes_its_stream_and_gives_it_back(fake_cu
 def test_every_attack_call_runs_capped_and_on_its_own_stream(fake_cuda: FakeCuda) -> None:
     attacker = DeviceAttacker("cuda:0")
     _invert(attacker, _tiny_update(), None, 5.0, 0.4)
-    assert fake_cuda.fractions == [(0.4, torch.device("cuda", 0))]
+    assert fake_cuda.fractions == [(0.4, 0)]
     (stream,) = attacker.streams
     assert stream in fake_cuda.made and stream.synchronized == 1
     result = make_runner(attacker, "thread", gpu_memory=0.2).run(_tiny_update(), timeout=30.0)
-    assert result.status == STATUS_OK and fake_cuda.fractions[-1] == (0.2, torch.device("cuda", 0))
+    assert result.status == STATUS_OK and fake_cuda.fractions[-1] == (0.2, 0)
     assert attacker.streams[-1] in fake_cuda.made
 
 
@@ -232,7 +231,7 @@ def test_an_attack_past_its_memory_cap_is_recorded_as_out_of_memory(fake_cuda: F
     runner = ThreadAttackRunner(DeviceAttacker("cuda", error=error), gpu_memory=0.1)
     result = runner.run(_tiny_update(), timeout=30.0)
     assert result.status == STATUS_OUT_OF_MEMORY and "OutOfMemoryError" in (result.error or "")
-    assert fake_cuda.fractions == [(0.1, torch.device("cuda"))]
+    assert fake_cuda.fractions == [(0.1, None)]
 
 
 @pytest.mark.parametrize(
@@ -291,7 +290,7 @@ def test_a_ray_task_on_a_gpu_fraction_is_held_to_that_share_of_memory(
     assert result.status == STATUS_OK, result.error
     assert calls["options"] == {"num_cpus": 1.0, "num_gpus": 0.25, "max_retries": 0}
     assert calls["args"][-1] == 0.25  # the task is told its share...
-    assert fake_cuda.fractions == [(0.25, torch.device("cuda"))]  # ...and sets it before it attacks
+    assert fake_cuda.fractions == [(0.25, None)]  # ...and sets it before it attacks
     assert attacker.streams[0] in fake_cuda.made
 
 

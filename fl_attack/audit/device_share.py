@@ -68,7 +68,8 @@ def cap_gpu_memory(share: float | None, attacker: Any) -> bool:
     device = cuda_device_of(attacker)
     if share is None or device is None:
         return False
-    torch.cuda.set_per_process_memory_fraction(float(share), device)
+    # an index, or None for the current device (torch refuses a device without an index here)
+    torch.cuda.set_per_process_memory_fraction(float(share), device.index)
     return True
 
 
