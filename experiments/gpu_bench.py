@@ -334,11 +334,14 @@ def markdown(bench: Bench) -> str:
         "",
         f"Data: {config['dataset']}; torch {config['torch']}; attack time budget {config['time_budget']} s, "
         f"{config['cell_budget']} s per cell and device.",
-        "",
-        "| cell (b, m) | next layer | device | trials | exact | median s | peak GPU MiB | errors |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     summary = bench.summary()
+    if summary:
+        lines += [
+            "",
+            "| cell (b, m) | next layer | device | trials | exact | median s | peak GPU MiB | errors |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
     for row in summary:
         peak = "-" if row["peak_gpu_mib"] is None else f"{row['peak_gpu_mib']:.0f}"
         lines.append(
@@ -458,7 +461,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"profile {key}: {json.dumps({k: summary[k] for k in list(summary)[:8]})}", flush=True)
         write_outputs(bench, args.out)
     if args.clients > 0 and time.perf_counter() < stop_at:
-        runs = many_clients.measure(
+
+        def measured(run: many_clients.ManyClientsRun) -> None:
+            bench.many_clients.append(run.row())
+            write_outputs(bench, args.out)
+
+        many_clients.measure(
             devices[0],
             data,
             parse_cells(args.clients_cell)[0],
@@ -466,8 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=args.workers,
             budget=args.time_budget,
             seed=args.seed,
+            measured=measured,
         )
-        bench.many_clients = [run.row() for run in runs]
     write_outputs(bench, args.out)
     print((args.out / "table.md").read_text(), flush=True)
     return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -138,9 +138,11 @@ def measure(
     workers: Sequence[int],
     budget: float,
     seed: int,
+    measured: Callable[[ManyClientsRun], None] | None = None,
 ) -> list[ManyClientsRun]:
     """The same round audited with each number of ``workers``, after one untimed warm-up round of
-    as many clients as the most workers (so each stream's first use is not timed)."""
+    as many clients as the most workers (so each stream's first use is not timed); ``measured`` is
+    called with each run as it finishes (a run cut short keeps what it measured)."""
     warm_up = client_round(data, cell, clients=max(workers), seed=seed + 50_000)
     audit_round(device, warm_up, data, workers=max(workers), budget=budget, seed=seed)
     round_ = client_round(data, cell, clients=clients, seed=seed)
@@ -148,6 +150,8 @@ def measure(
     for count in workers:
         run = audit_round(device, round_, data, workers=count, budget=budget, seed=seed)
         runs.append(run)
+        if measured is not None:
+            measured(run)
         peak = "-" if run.peak_gpu_mib is None else f"{run.peak_gpu_mib:.0f} MiB"
         print(
             f"many clients {run.cell} {device} workers={count}: {run.clients} clients in {run.seconds:.2f} s "

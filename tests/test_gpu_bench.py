@@ -68,7 +68,7 @@ def test_gpu_bench_audits_many_clients_with_each_number_of_workers(tmp_path: Pat
         assert row["clients_per_second"] == pytest.approx(3 / row["seconds"])
     table = (out / "table.md").read_text()
     assert "## Many clients on one device (3 clients of 4x50" in table
-    assert "| cpu | 2 |" in table
+    assert "| cpu | 2 |" in table and "| cell (b, m) |" not in table  # no cell measured, no cell table
 
 
 def test_gpu_bench_refuses_a_worker_count_below_one(tmp_path: Path) -> None:
