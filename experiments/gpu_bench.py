@@ -8,9 +8,14 @@ wall-clock seconds, and the peak GPU memory. Trials of a cell stop on a device o
 ``--cell-budget`` seconds there (each attack also has a time budget and a hard limit).
 ``--profile-cells`` adds a ``torch.profiler`` summary of one warm attack per cell: kernel
 launches, host synchronisations, ``.item()`` calls, device-host copies and the top operators.
+``--clients C`` adds the many-clients measurement (:mod:`experiments.many_clients`): one round of
+C clients' ``--clients-cell`` updates audited by the Auditor on the first device with ``k``
+attacks at once (thread isolation: one process, a CUDA stream per attack) for each ``k`` of
+``--workers``; ``--cells none`` measures only that.
 
     PYTHONPATH=. python experiments/gpu_bench.py --out outputs/gpu_bench
     PYTHONPATH=. python experiments/gpu_bench.py --quick --devices cpu --out /tmp/gpu_bench
+    PYTHONPATH=. python experiments/gpu_bench.py --cells none --clients 100 --workers 1 4 8 --out /tmp/many
 
 Writes ``results.json`` (every trial and the summary; rewritten after each cell, so a run cut
 short keeps what it measured), ``table.md`` and, per profiled cell, ``profile_<cell>_<device>.txt``
@@ -36,6 +41,7 @@ from typing import Any
 
 import torch
 
+from experiments import many_clients
 from experiments.config import Cell, Setting, parse_cells
 from experiments.observe import Observation, Trial, draw_trial, observe
 from experiments.runner import AttackTimeout, hard_time_limit
@@ -82,6 +88,7 @@ class Bench:
     config: dict[str, Any]
     runs: list[Run] = field(default_factory=list)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    many_clients: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> list[dict[str, Any]]:
         """Per cell and device: trials, exact rate, median seconds, peak GPU memory."""
@@ -109,7 +116,7 @@ class Bench:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder (created)")
-    parser.add_argument("--cells", default=None, help=f"<b>x<m> cells (default {CELLS})")
+    parser.add_argument("--cells", default=None, help=f"<b>x<m> cells (default {CELLS}; 'none': no cell)")
     parser.add_argument(
         "--trials", type=int, default=None, help="trials per cell (default: per cell, TRIALS)"
     )
@@ -140,6 +147,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fallback-dataset", default=None, help="bundled dataset used when CIFAR-10 is absent"
     )
+    parser.add_argument(
+        "--clients", type=int, default=0, help="many-clients measurement: clients in the round (0: none)"
+    )
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1, 4, 8], help="attacks at once, one measurement each"
+    )
+    parser.add_argument("--clients-cell", default="20x200", help="<b>x<m> of every client's update")
     parser.add_argument("--quick", action="store_true", help=f"cells {QUICK_CELLS}, 1 trial, 20 s budgets")
     args = parser.parse_args(argv)
     if args.quick:
@@ -300,6 +314,7 @@ def write_outputs(bench: Bench, out: Path) -> None:
         "summary": bench.summary(),
         "runs": [vars(run) for run in bench.runs],
         "profiles": bench.profiles,
+        "many_clients": bench.many_clients,
     }
     _write(out / "results.json", json.dumps(payload, indent=2, default=str) + "\n")
     _write(out / "table.md", markdown(bench))
@@ -319,11 +334,14 @@ def markdown(bench: Bench) -> str:
         "",
         f"Data: {config['dataset']}; torch {config['torch']}; attack time budget {config['time_budget']} s, "
         f"{config['cell_budget']} s per cell and device.",
-        "",
-        "| cell (b, m) | next layer | device | trials | exact | median s | peak GPU MiB | errors |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     summary = bench.summary()
+    if summary:
+        lines += [
+            "",
+            "| cell (b, m) | next layer | device | trials | exact | median s | peak GPU MiB | errors |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
     for row in summary:
         peak = "-" if row["peak_gpu_mib"] is None else f"{row['peak_gpu_mib']:.0f}"
         lines.append(
@@ -359,6 +377,7 @@ def markdown(bench: Bench) -> str:
             f"| `{r['name']}` | {r['calls']} | {r['self_cpu_ms']:.1f} | {r['self_device_ms']:.1f} |"
             for r in top[:15]
         ]
+    lines += many_clients.markdown(bench.many_clients)
     return "\n".join(lines) + "\n"
 
 
@@ -372,7 +391,9 @@ def cells_of(text: str, all_cells: Sequence[Cell]) -> set[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cells = parse_cells(args.cells)
+    if args.clients < 0 or any(count < 1 for count in args.workers):
+        raise SystemExit("gpu_bench: --clients must be >= 0 and every --workers >= 1")
+    cells = [] if args.cells in ("", "none") else parse_cells(args.cells)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
         raise SystemExit("gpu_bench: --devices names cuda but torch sees no GPU")
@@ -396,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
         "gpu_name": gpu_name,
         "python": sys.version.split()[0],
+        "clients": args.clients,
+        "workers": args.workers,
+        "clients_cell": args.clients_cell,
     }
     bench = Bench(config)
     stop_at = time.perf_counter() + args.total_budget
@@ -436,6 +460,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _write(args.out / f"profile_{key}.json", json.dumps(summary, indent=2) + "\n")
                 print(f"profile {key}: {json.dumps({k: summary[k] for k in list(summary)[:8]})}", flush=True)
         write_outputs(bench, args.out)
+    if args.clients > 0 and time.perf_counter() < stop_at:
+
+        def measured(run: many_clients.ManyClientsRun) -> None:
+            bench.many_clients.append(run.row())
+            write_outputs(bench, args.out)
+
+        many_clients.measure(
+            devices[0],
+            data,
+            parse_cells(args.clients_cell)[0],
+            clients=args.clients,
+            workers=args.workers,
+            budget=args.time_budget,
+            seed=args.seed,
+            measured=measured,
+        )
+    write_outputs(bench, args.out)
     print((args.out / "table.md").read_text(), flush=True)
     return 0
 

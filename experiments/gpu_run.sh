@@ -2,7 +2,10 @@
 # One-go GPU benchmark of SPEAR++ (issue #33): GPU and 16 CPU threads side by side, cell by
 # cell, plus torch.profiler summaries of (20, 200) and (150, 4000). About 4-6 minutes on one
 # H100/H200 with 16 cores; a hard stop at GPU_RUN_SECONDS (default 420 s) keeps what was
-# measured (results.json is rewritten after every cell).
+# measured (results.json is rewritten after every cell). Then the many-clients measurement:
+# MANY_CLIENTS (default 100) clients' (20, 200) updates audited on the GPU with 1, 4 and 8
+# attacks at once (OUT/many_clients; hard stop at MANY_CLIENTS_SECONDS, default 300 s;
+# MANY_CLIENTS=0 skips it).
 #
 #   experiments/gpu_run.sh [OUT_DIR] [extra gpu_bench.py options]
 #
@@ -35,4 +38,17 @@ timeout --signal=INT --kill-after=20 "${GPU_RUN_SECONDS:-420}" \
         --profile-cells 20x200,150x4000 --fallback-dataset photo-patches "$@" \
     2>&1 | tee "$OUT/log.txt" || status=$?
 echo "gpu_run: exit status $status; outputs in $OUT" | tee -a "$OUT/log.txt"
+if [[ "${MANY_CLIENTS:-100}" -gt 0 ]] && python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    mkdir -p "$OUT/many_clients"
+    many_status=0
+    timeout --signal=INT --kill-after=20 "${MANY_CLIENTS_SECONDS:-300}" \
+        python -u experiments/gpu_bench.py --out "$OUT/many_clients" --cells none --devices cuda \
+            --cpu-threads "${CPU_THREADS:-16}" --time-budget 60 \
+            --clients "${MANY_CLIENTS:-100}" --workers ${MANY_WORKERS:-1 4 8} \
+            --fallback-dataset photo-patches \
+        2>&1 | tee "$OUT/many_clients/log.txt" || many_status=$?
+    echo "gpu_run: many clients exit status $many_status; outputs in $OUT/many_clients" \
+        | tee -a "$OUT/many_clients/log.txt"
+    if [[ "$status" -eq 0 ]]; then status=$many_status; fi
+fi
 exit "$status"

@@ -108,6 +108,7 @@ def build_auditor(
             ray_address=str(config["ray-address"]) or None,
             attack_cpus=float(config["attack-cpus"]),
             attack_gpus=float(config["attack-gpus"]),
+            attack_gpu_memory=float(config["attack-gpu-memory"]) or None,
             progress=True,
         ),
         sampling=SamplingSettings(

@@ -213,6 +213,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attack-cpus", 1.0, "Ray CPUs per attack", "audit", minimum=0),
     Setting("attack-gpus", 0.0, "Ray GPUs per attack", "audit", minimum=0),
     Setting(
+        "attack-gpu-memory",
+        0.0,
+        "share of the GPU's memory each process running CUDA attacks may use, in (0, 1] "
+        "(0: no cap; on Ray with 0 < attack-gpus < 1, the attack-gpus share)",
+        "audit",
+        minimum=0,
+        maximum=1,
+    ),
+    Setting(
         "attack-queue",
         "block",
         "when the queue is full: block, drop-oldest or sample",

@@ -48,3 +48,29 @@ def test_gpu_bench_refuses_cuda_where_torch_sees_none(
     monkeypatch.setattr(gpu_bench.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no GPU"):
         gpu_bench.main(["--out", str(tmp_path / "o"), "--devices", "cuda,cpu", "--quick"])
+
+
+def test_gpu_bench_audits_many_clients_with_each_number_of_workers(tmp_path: Path) -> None:
+    out = tmp_path / "many"
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    args = ["--out", str(out), "--devices", "cpu", "--cpu-threads", "1", "--cells", "none"]
+    args += ["--data-root", str(empty), "--fallback-dataset", "photo-patches"]
+    args += ["--clients", "3", "--workers", "1", "2", "--clients-cell", "4x50", "--time-budget", "20"]
+    assert gpu_bench.main(args) == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["runs"] == [] and payload["config"]["clients"] == 3
+    rows = payload["many_clients"]
+    assert [row["workers"] for row in rows] == [1, 2]
+    for row in rows:
+        assert (row["device"], row["cell"], row["clients"]) == ("cpu", "4x50", 3)
+        assert row["exact"] == 3 and row["statuses"] == {"ok": 3} and row["peak_gpu_mib"] is None
+        assert row["clients_per_second"] == pytest.approx(3 / row["seconds"])
+    table = (out / "table.md").read_text()
+    assert "## Many clients on one device (3 clients of 4x50" in table
+    assert "| cpu | 2 |" in table and "| cell (b, m) |" not in table  # no cell measured, no cell table
+
+
+def test_gpu_bench_refuses_a_worker_count_below_one(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="every --workers >= 1"):
+        gpu_bench.main(["--out", str(tmp_path / "o"), "--devices", "cpu", "--clients", "2", "--workers", "0"])

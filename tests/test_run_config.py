@@ -17,6 +17,7 @@ from clients.ground_truth import attach_ground_truth, ground_truth_enabled, laye
 from fl_attack.audit.protocol import GROUND_TRUTH_INPUTS, GROUND_TRUTH_KEY
 from strategies import HonestButCuriousStrategy, RunConfigError, resolve_audit_config, resolve_run_config
 from strategies.cli import main as audit_main
+from strategies.factory import build_auditor
 from strategies.server_app import build_strategy, full_batch_local_steps
 
 
@@ -44,6 +45,8 @@ def test_unknown_key_names_the_closest_one() -> None:
         ("batch-size", 10.5, "must be a int"),
         ("train-mode", "adam", "one of fedsgd, fedavg, dpsgd"),
         ("attack-fraction", 1.5, "at most 1"),
+        ("attack-gpu-memory", 1.5, "at most 1"),
+        ("attack-gpu-memory", -0.25, "at least 0"),
         ("attack-partitions", "0,x", "comma-separated integers"),
     ],
 )
@@ -51,6 +54,18 @@ def test_bad_values_are_one_clear_line(key: str, value: Any, message: str) -> No
     with pytest.raises(RunConfigError, match=message) as raised:
         resolve_run_config({key: value})
     assert key in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(("value", "share"), [(0.0, None), (0.25, 0.25), (1.0, 1.0)])
+def test_the_gpu_memory_share_reaches_the_auditors_execution_settings(
+    value: float, share: float | None
+) -> None:
+    config = {"attack-gpu-memory": value, "attack-isolation": "thread", "attack-device": "cpu"}
+    auditor = build_auditor(config, store=None)
+    try:
+        assert auditor.execution.attack_gpu_memory == share  # 0: no cap
+    finally:
+        auditor.close()
 
 
 def test_audit_config_of_any_app_ignores_the_users_keys_but_not_audit_typos() -> None:

@@ -5,6 +5,11 @@ outgrows one machine scales out on Ray. A task that outlives its timeout is canc
 ``force=True`` (its worker process is killed), as the local process runner kills its worker, and
 keeps what it had found: its partial results wait on the runner's progress board
 (:mod:`fl_attack.audit.ray_progress`), from whichever node it ran on.
+
+Ray's fractional GPUs only share out a GPU's scheduling, not its memory: a task given
+``num_gpus=0.25`` may still take the whole device's memory. A runner with a fraction below one
+therefore also holds each task's process to that share of the memory
+(:func:`fl_attack.audit.device_share.cap_gpu_memory`), unless told another share.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from fl_attack.progress import as_partial, reporting_to
 from fl_attack.types import LayerAttack, LayerUpdate
 from fl_attack.vocabulary import STATUS_ERROR, STATUS_KILLED, STATUS_OK, STATUS_OUT_OF_MEMORY
 
+from .device_share import check_gpu_memory_share
 from .ray_progress import TaskProgress, announce, make_board, read_board
 from .workers import AttackResult, AttackRunner, _invert, _success, _timed_out, is_out_of_memory
 
@@ -30,6 +36,12 @@ logger = logging.getLogger(__name__)
 RAY_START_TIMEOUT = 60.0
 
 
+def gpu_share_cap(num_gpus: float) -> float | None:
+    """The memory share that goes with a Ray GPU share: ``num_gpus`` when it is a fraction of one
+    GPU (0 < ``num_gpus`` < 1), else None (no GPU, or whole GPUs of the task's own)."""
+    return float(num_gpus) if 0.0 < num_gpus < 1.0 else None
+
+
 def _remote_invert(
     attacker: LayerAttack,
     update: LayerUpdate[np.ndarray],
@@ -37,12 +49,15 @@ def _remote_invert(
     time_budget: float | None,
     board: Any = None,
     job: int = 0,
+    gpu_memory: float | None = None,
 ) -> tuple[str, Any, str | None]:
     """The task body: never raises, so that Ray's own errors mean a lost worker. Its partial
-    results go to ``board`` (None: nowhere) as job ``job``."""
+    results go to ``board`` (None: nowhere) as job ``job``; an attack on CUDA first holds the
+    task's worker process to ``gpu_memory`` of the device's memory (None: no cap)."""
     try:
         with reporting_to(announce(board, job)):
-            return STATUS_OK, pickle.dumps(_invert(attacker, update, batch_size, time_budget)), None
+            reconstruction = _invert(attacker, update, batch_size, time_budget, gpu_memory)
+            return STATUS_OK, pickle.dumps(reconstruction), None
     except BaseException as error:
         status = STATUS_OUT_OF_MEMORY if is_out_of_memory(error) else STATUS_ERROR
         return status, f"{type(error).__name__}: {error}", traceback.format_exc()
@@ -65,6 +80,15 @@ class RayAttackRunner(AttackRunner):
     num_cpus, num_gpus : float (default: 1.0, 0.0)
         Resources of one attack task. Under Flower's Ray simulation, leave CPUs free for
         them (the clients' actors hold theirs), or a task waits until its timeout.
+    gpu_memory : float or None (default: None)
+        Share of the GPU's memory, in (0, 1], each task's process may use when the attack runs on
+        CUDA; None: ``num_gpus`` when it is a fraction below one (so a fractional GPU also limits
+        memory), else no cap. Read it back as :attr:`gpu_memory`.
+
+    Raises
+    ------
+    ValueError
+        On negative resources or a memory share outside (0, 1].
     """
 
     def __init__(
@@ -74,15 +98,19 @@ class RayAttackRunner(AttackRunner):
         address: str | None = None,
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
+        gpu_memory: float | None = None,
     ) -> None:
         super().__init__(attacker)
         if num_cpus < 0 or num_gpus < 0:
             raise ValueError(
                 f"Ray resources must be non-negative, got num_cpus={num_cpus}, num_gpus={num_gpus}"
             )
+        check_gpu_memory_share(gpu_memory)
         self.address = address
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
+        #: The memory share each task's process is held to on CUDA (None: no cap).
+        self.gpu_memory = gpu_memory if gpu_memory is not None else gpu_share_cap(num_gpus)
         self._task: Any = None
         self._board: Any = None
         self._board_failure: str | None = None
@@ -131,7 +159,9 @@ class RayAttackRunner(AttackRunner):
             task = self._remote()
             board = self._progress_board()
             self._jobs += 1
-            reference = task.remote(self.attacker, update, batch_size, time_budget, board, self._jobs)
+            reference = task.remote(
+                self.attacker, update, batch_size, time_budget, board, self._jobs, self.gpu_memory
+            )
         except Exception as error:
             return AttackResult(
                 STATUS_ERROR, None, time.perf_counter() - start, f"{type(error).__name__}: {error}"

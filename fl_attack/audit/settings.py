@@ -14,6 +14,7 @@ from fl_attack.simulate.secagg import SecAggPlusQuantization
 from fl_attack.types import LayerAttack
 from fl_attack.validation import check_batch_size, check_time_budget
 
+from .device_share import check_gpu_memory_share
 from .workers import WORKER_PRIORITIES, AttackRunner, make_runner
 
 #: Where attacks run: a worker process or thread per pool worker, or Ray tasks.
@@ -91,13 +92,23 @@ class ExecutionSettings:
         Ray cluster to connect to when Ray is not initialised yet (None: a local Ray).
     attack_cpus, attack_gpus : float (default: 1.0, 0.0)
         Ray resources of one attack.
+    attack_gpu_memory : float or None (default: None)
+        For attacks on CUDA: the share of the GPU's memory, in (0, 1], that each process running
+        attacks may use (:func:`fl_attack.audit.device_share.cap_gpu_memory`), so that an attack
+        needing more ends as ``"out-of-memory"`` instead of starving the others. It caps the
+        process, not one attack: a local worker process (``isolation="process"``); with
+        ``isolation="thread"`` the server process itself, shared by its ``workers`` concurrent
+        attacks and anything else it runs on that GPU; on Ray each task's worker process. None: no
+        cap, except on Ray with 0 < ``attack_gpus`` < 1, where each task is held to its
+        ``attack_gpus`` share (Ray's fractional GPUs do not limit memory by themselves).
     progress : bool (default: False)
         Show the queue's progress on stderr.
 
     Raises
     ------
     ValueError
-        On an unknown priority or backend, or a negative or non-integer number of workers.
+        On an unknown priority or backend, a negative or non-integer number of workers, or a GPU
+        memory share outside (0, 1].
     """
 
     isolation: str = "thread"
@@ -109,6 +120,7 @@ class ExecutionSettings:
     ray_address: str | None = None
     attack_cpus: float = 1.0
     attack_gpus: float = 0.0
+    attack_gpu_memory: float | None = None
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -119,6 +131,7 @@ class ExecutionSettings:
         workers = self.workers
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
+        check_gpu_memory_share(self.attack_gpu_memory)
 
     def make_runner(self, attacker: LayerAttack, *, companions: Sequence[LayerAttack] = ()) -> AttackRunner:
         """A runner of ``attacker`` on this backend: a Ray task runner, or a local thread or process
@@ -127,9 +140,19 @@ class ExecutionSettings:
             from .ray_runner import RayAttackRunner  # Ray is imported only when asked for
 
             return RayAttackRunner(
-                attacker, address=self.ray_address, num_cpus=self.attack_cpus, num_gpus=self.attack_gpus
+                attacker,
+                address=self.ray_address,
+                num_cpus=self.attack_cpus,
+                num_gpus=self.attack_gpus,
+                gpu_memory=self.attack_gpu_memory,
             )
-        return make_runner(attacker, self.isolation, priority=self.priority, companions=companions)
+        return make_runner(
+            attacker,
+            self.isolation,
+            priority=self.priority,
+            companions=companions,
+            gpu_memory=self.attack_gpu_memory,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,6 +57,7 @@ from .checkpoint import (
     read_checkpoint,
     remove_checkpoint,
 )
+from .device_share import cap_gpu_memory, check_gpu_memory_share, own_stream
 from .memory import release_freed_memory
 from .next_layer_stage import with_next_layer
 
@@ -136,24 +137,34 @@ def offered_update(attacker: LayerAttack, update: LayerUpdate[np.ndarray]) -> La
 
 
 def _invert(
-    attacker: LayerAttack, update: LayerUpdate[np.ndarray], batch_size: int | None, time_budget: float | None
+    attacker: LayerAttack,
+    update: LayerUpdate[np.ndarray],
+    batch_size: int | None,
+    time_budget: float | None,
+    gpu_memory: float | None = None,
 ) -> Any:
     """The only call into the attacker: the observed update with the parts it uses
     (:func:`offered_update`) and the attack's one budget, started here (in the worker) once per
     attack: ``time_budget`` seconds, else the attacker's own ``time_budget``; then the
     next-layer route where it applies (:mod:`fl_attack.audit.next_layer_stage`), on the same
-    budget."""
-    budget = Budget.start(time_budget if time_budget is not None else getattr(attacker, "time_budget", None))
-    route_may_follow = update.next_weight_update is not None and update.after_layers
-    reconstruction = attacker.attack(
-        offered_update(attacker, update),
-        batch_size=batch_size,
-        budget=budget.exact_attack_share() if route_may_follow else budget,
-    )
-    if not route_may_follow:
-        return reconstruction
-    report_progress(reconstruction)  # kept should the next-layer route not finish in time
-    return with_next_layer(reconstruction, update, budget=budget, seed=getattr(attacker, "seed", None))
+    budget. On CUDA the process is first held to ``gpu_memory`` of the device's memory (None: no
+    cap) and the whole attack runs on a stream of its own (:mod:`fl_attack.audit.device_share`);
+    on the CPU neither changes anything."""
+    cap_gpu_memory(gpu_memory, attacker)
+    with own_stream(attacker):
+        budget = Budget.start(
+            time_budget if time_budget is not None else getattr(attacker, "time_budget", None)
+        )
+        route_may_follow = update.next_weight_update is not None and update.after_layers
+        reconstruction = attacker.attack(
+            offered_update(attacker, update),
+            batch_size=batch_size,
+            budget=budget.exact_attack_share() if route_may_follow else budget,
+        )
+        if not route_may_follow:
+            return reconstruction
+        report_progress(reconstruction)  # kept should the next-layer route not finish in time
+        return with_next_layer(reconstruction, update, budget=budget, seed=getattr(attacker, "seed", None))
 
 
 def _failure(error: BaseException, seconds: float, trace: str | None) -> AttackResult:
@@ -247,6 +258,7 @@ def run_attack(
     batch_size: int | None = None,
     time_budget: float | None = None,
     timeout: float | None = None,
+    gpu_memory: float | None = None,
 ) -> AttackResult:
     """Invert one update in a daemon thread, turning every failure into an AttackResult.
 
@@ -265,6 +277,10 @@ def run_attack(
         Hard limit in seconds after which the attack is abandoned (its thread keeps
         running until the attacker returns) with the last partial result it reported;
         None waits for the attacker.
+    gpu_memory : float or None (default: None)
+        For an attacker on CUDA: the share of the device's memory this process may use
+        (:func:`fl_attack.audit.device_share.cap_gpu_memory`; the cap is the whole process's,
+        here the caller's); None sets none.
 
     Returns
     -------
@@ -276,7 +292,7 @@ def run_attack(
     def target() -> None:
         try:
             with reporting_to(partials):
-                outcome["value"] = _invert(attacker, update, batch_size, time_budget)
+                outcome["value"] = _invert(attacker, update, batch_size, time_budget, gpu_memory)
         except BaseException as error:  # pylint: disable=broad-exception-caught
             outcome["error"] = error
             outcome["traceback"] = traceback.format_exc()
@@ -327,7 +343,26 @@ class AttackRunner(ABC):
 
 
 class ThreadAttackRunner(AttackRunner):
-    """Run the attacker in a daemon thread of this process (see :func:`run_attack`)."""
+    """Run the attacker in a daemon thread of this process (see :func:`run_attack`).
+
+    Several of these (one per pool thread) run several attacks at once in this one process: on
+    CUDA each attack has a stream of its own (:func:`fl_attack.audit.device_share.own_stream`), so
+    ``workers`` clients' attacks share one GPU with their kernels free to overlap.
+
+    Parameters
+    ----------
+    attacker : LayerAttack
+        The attack.
+    gpu_memory : float or None (default: None)
+        For an attacker on CUDA: the share of the device's memory, in (0, 1], that *this process*
+        (the server's, with every attack it runs and anything else it does on that device) may
+        use; set before each attack. None sets no cap.
+    """
+
+    def __init__(self, attacker: LayerAttack, *, gpu_memory: float | None = None) -> None:
+        check_gpu_memory_share(gpu_memory)
+        super().__init__(attacker)
+        self.gpu_memory = gpu_memory
 
     def run(
         self,
@@ -339,7 +374,12 @@ class ThreadAttackRunner(AttackRunner):
     ) -> AttackResult:
         """Invert one update in a thread; a timed-out attack is abandoned."""
         return run_attack(
-            self.attacker, update, batch_size=batch_size, time_budget=time_budget, timeout=timeout
+            self.attacker,
+            update,
+            batch_size=batch_size,
+            time_budget=time_budget,
+            timeout=timeout,
+            gpu_memory=self.gpu_memory,
         )
 
 
@@ -383,9 +423,15 @@ def _yield_the_cores(priority: str, pid: int = 0) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, 19)
 
 
-def _worker_main(connection: Connection, attackers: tuple[LayerAttack, ...], priority: str = "idle") -> None:
+def _worker_main(
+    connection: Connection,
+    attackers: tuple[LayerAttack, ...],
+    priority: str = "idle",
+    gpu_memory: float | None = None,
+) -> None:
     """Worker loop: receive ``(attacker index, update, batch_size, time_budget, checkpoint)``,
-    send pickled results; the attack's partial results go to the file ``checkpoint`` meanwhile."""
+    send pickled results; the attack's partial results go to the file ``checkpoint`` meanwhile.
+    An attack on CUDA holds this process to ``gpu_memory`` of the device's memory."""
     _yield_the_cores(priority)
     _name_this_process(WORKER_PROCESS_NAME)
     # Ctrl-C reaches the whole process group: the server handles it and stops its workers (a
@@ -408,7 +454,7 @@ def _worker_main(connection: Connection, attackers: tuple[LayerAttack, ...], pri
         index, update, batch_size, time_budget, checkpoint = job
         try:
             with reporting_to(CheckpointFile(checkpoint)):
-                payload = pickle.dumps(_invert(attackers[index], update, batch_size, time_budget))
+                payload = pickle.dumps(_invert(attackers[index], update, batch_size, time_budget, gpu_memory))
             connection.send(("ok", payload, None))
             release_freed_memory()  # the attack's temporaries, freed in whatever order
         except BaseException as error:  # pylint: disable=broad-exception-caught
@@ -498,6 +544,10 @@ class ProcessAttackRunner(AttackRunner):
         Further attackers the same worker runs, each through :meth:`sharing` (the auditor's
         fallback attack): one worker process, forked once, instead of one per attacker. A
         companion's attack stopped at the timeout stops the worker, as the attacker's own does.
+    gpu_memory : float or None (default: None)
+        For an attack on CUDA: the share of the device's memory, in (0, 1], the worker process
+        may use (set in the worker before each attack); one that needs more ends with the
+        ``"out-of-memory"`` status. None sets no cap.
     """
 
     def __init__(
@@ -507,11 +557,14 @@ class ProcessAttackRunner(AttackRunner):
         start_method: str | None = None,
         priority: str = "idle",
         companions: Sequence[LayerAttack] = (),
+        gpu_memory: float | None = None,
     ) -> None:
         if priority not in WORKER_PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(WORKER_PRIORITIES)}, got {priority!r}")
+        check_gpu_memory_share(gpu_memory)
         super().__init__(attacker)
         self.priority = priority
+        self.gpu_memory = gpu_memory
         self.attackers: tuple[LayerAttack, ...] = (attacker, *companions)
         self.start_method = start_method or worker_start_method(attacker, *companions)
         self._context: Any = multiprocessing.get_context(self.start_method)
@@ -537,7 +590,7 @@ class ProcessAttackRunner(AttackRunner):
         parent, child = self._context.Pipe()
         process = self._context.Process(
             target=_worker_main,
-            args=(child, self.attackers, self.priority),
+            args=(child, self.attackers, self.priority, self.gpu_memory),
             name="fl-attack-worker",
             daemon=True,
         )
@@ -706,11 +759,13 @@ def make_runner(
     *,
     priority: str = "idle",
     companions: Sequence[LayerAttack] = (),
+    gpu_memory: float | None = None,
 ) -> AttackRunner:
     """A runner for ``isolation`` ``"thread"`` or ``"process"`` (a worker at ``priority``, which
-    also runs ``companions``: :meth:`AttackRunner.sharing`; a thread runner runs none)."""
+    also runs ``companions``: :meth:`AttackRunner.sharing`; a thread runner runs none), whose
+    process a CUDA attack holds to ``gpu_memory`` of the device's memory (None: no cap)."""
     if isolation == "thread":
-        return ThreadAttackRunner(attacker)
+        return ThreadAttackRunner(attacker, gpu_memory=gpu_memory)
     if isolation == "process":
-        return ProcessAttackRunner(attacker, priority=priority, companions=companions)
+        return ProcessAttackRunner(attacker, priority=priority, companions=companions, gpu_memory=gpu_memory)
     raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
