@@ -31,6 +31,7 @@ from fl_attack.pipeline.local_training.epoch_scorer import LocalEpochScorer
 from fl_attack.pipeline.search.candidates import CandidatePool, is_member
 from fl_attack.pipeline.search.deepest_rows import deepest_row_kernels
 from fl_attack.pipeline.search.last_direction import PAIR_SCAN_FLOPS
+from fl_attack.pipeline.search.sparsity import zero_masks
 from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors
 
@@ -41,6 +42,8 @@ __all__ = ["epoch_last_directions"]
 PAIR_LINES = 128
 #: Kernels tried per missing sample (the sparsest first); with two missing, every pair of them.
 KERNELS_PER_SAMPLE = 8
+#: Completions (one kernel, or a pair of them) judged by the one-epoch scorer per set of known columns, at most.
+MAX_COMPLETIONS = 16
 
 
 class EpochSearch(Protocol):
@@ -91,7 +94,9 @@ def epoch_last_directions(
         max_proposals=KERNELS_PER_SAMPLE * missing,
         deadline=state.deadline,
     )
-    for chosen in itertools.combinations(range(kernels.shape[0]), missing):
+    # the sparsest kernels' combinations first; each costs a one-epoch fit (up to its node limit)
+    combinations = sorted(itertools.combinations(range(kernels.shape[0]), missing), key=sum)
+    for chosen in combinations[:MAX_COMPLETIONS]:
         if state.deadline.expired():
             break
         directions = torch.cat([known, kernels[list(chosen)]], dim=0)
@@ -100,7 +105,10 @@ def epoch_last_directions(
         candidate = Selection(directions, found, q_inv @ factors.right, per_sample, float(per_sample.mean()))
         if scorer.accepts(candidate, accept_matching=accept_matching):
             return kernels[list(chosen)]
-    return empty
+    # no completion fits: a known column may be wrong (a blend chosen in a sample's place), which
+    # a kernel as sparse as a confident candidate can push out of the next selection
+    counts = zero_masks(factors, kernels, state.pool.tolerance).sum(dim=1)
+    return kernels[counts >= state.pool.min_zeros]
 
 
 def _lines(missing: int, *, width: int, batch: int, dtype: torch.dtype) -> torch.Tensor:

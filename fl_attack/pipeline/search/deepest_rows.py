@@ -16,6 +16,8 @@ filters them as any proposal; the selection and self-check judge them).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fl_attack.pipeline.budget.budget import Deadline
@@ -33,6 +35,8 @@ SAME_DIRECTION = 1e-6
 ROW_MULTIPLE = 2
 #: Kernels, the sparsest first, among which duplicates are dropped (per proposal returned).
 CONSIDERED = 16
+#: Flops (about ``b^3`` per kernel) of one call's kernels, at most.
+KERNEL_FLOPS = 1e10
 
 
 def deepest_row_kernels(
@@ -92,6 +96,10 @@ def deepest_row_kernels(
         if ordered.numel() == 0:
             continue
         probes = probe_alphas(ordered, positive_only=False)
+        # on wide layers and large batches every other (or n-th) interval: the deepest rows of
+        # neighbouring intervals mostly agree
+        sets = slopes.shape[1] * probes.numel() * len(sizes) * (1 if end is None else 2)
+        probes = probes[:: max(1, math.ceil(sets * b**3 / KERNEL_FLOPS))]
         for start in range(0, probes.numel(), chunk):
             if deadline.expired():
                 break
