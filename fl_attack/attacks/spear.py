@@ -6,7 +6,7 @@ import logging
 import math
 from abc import abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from fl_attack.pipeline.budget.budget import Budget, Deadline
 from fl_attack.pipeline.budget.out_of_time import decompose_in_time
 from fl_attack.pipeline.local_training.drift import drift_self_check, polish_for, scorer_for
 from fl_attack.pipeline.local_training.drift_proposals import interleave_drift_rounds
+from fl_attack.pipeline.local_training.epoch_last_directions import epoch_last_directions
 from fl_attack.pipeline.local_training.epoch_scorer import LocalEpochScorer, epoch_fit_for
 from fl_attack.pipeline.local_training.weight_decay import (
     refined_scale,
@@ -105,6 +106,7 @@ class SearchState:
     input_side: InputSideSlot | None = None  # set by the input-side rounds where they run
     latest: Selection | None = None  # the best selection so far (read by the drift rounds)
     deflation: Deflation | None = None  # samples certified by the next layer's update
+    epoch_tried: list[torch.Tensor] = field(default_factory=list)  # known columns of the epoch scans
 
 
 class GradientInversionAttack(LayerAttackBase):
@@ -520,7 +522,12 @@ class GradientInversionAttack(LayerAttackBase):
     ) -> torch.Tensor:
         """Proposals for the directions missing (or doubtful) in an otherwise good selection."""
         trusted = trusted_directions(state, selection, accept_matching=self.accept_matching)
-        return missing_direction_proposals(state, scorer, trusted)
+        proposals = missing_direction_proposals(state, scorer, trusted)
+        if proposals.shape[0] == 0:  # a later step's samples of one local epoch miss their W_0 patterns
+            proposals = epoch_last_directions(state, scorer, selection, accept_matching=self.accept_matching)
+            if proposals.shape[0]:
+                state.stats["epoch_last_directions"] = int(proposals.shape[0])
+        return proposals
 
     @abstractmethod
     def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:

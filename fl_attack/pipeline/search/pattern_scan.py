@@ -21,13 +21,38 @@ import torch
 from fl_attack.pipeline.budget.budget import Deadline
 
 
-def _probes(ordered: torch.Tensor, *, positive_only: bool) -> torch.Tensor:
+def probe_alphas(ordered: torch.Tensor, *, positive_only: bool) -> torch.Tensor:
     """One ``alpha`` inside each interval between consecutive sorted breakpoints, and beyond each end."""
     if positive_only:
         first, last = ordered[:1] / 2, 2 * ordered[-1:]
     else:
         first, last = ordered[:1] - 1.0 - ordered[:1].abs(), ordered[-1:] + 1.0 + ordered[-1:].abs()
     return torch.cat([first, (ordered[:-1] + ordered[1:]) / 2, last])
+
+
+def _sorted_breakpoints(
+    slope: torch.Tensor, bias: torch.Tensor, *, positive_only: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The finite breakpoints ``-bias / slope`` in increasing order (``alpha > 0`` only when
+    ``positive_only``) and the neuron of each."""
+    usable = slope != 0
+    breakpoints = torch.where(
+        usable,
+        -bias / torch.where(usable, slope, torch.ones_like(slope)),
+        torch.full_like(slope, float("inf")),
+    )
+    if positive_only:
+        breakpoints = torch.where(breakpoints > 0, breakpoints, torch.full_like(breakpoints, float("inf")))
+    order = torch.argsort(breakpoints)
+    ordered = breakpoints[order]
+    finite = torch.isfinite(ordered)
+    return ordered[finite], order[finite]
+
+
+def line_breakpoints(slope: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The finite breakpoints ``-bias / slope`` of a line of inputs, in increasing order."""
+    ordered, _ = _sorted_breakpoints(slope, bias, positive_only=False)
+    return ordered
 
 
 def line_pattern_kernels(
@@ -72,24 +97,13 @@ def line_pattern_kernels(
         ``(residual, unit kernel vector)`` of every pattern within ``limit``, in scan order.
     """
     b = left.shape[1]
-    usable = slope != 0
-    breakpoints = torch.where(
-        usable,
-        -bias / torch.where(usable, slope, torch.ones_like(slope)),
-        torch.full_like(slope, float("inf")),
-    )
-    if positive_only:
-        breakpoints = torch.where(breakpoints > 0, breakpoints, torch.full_like(breakpoints, float("inf")))
-    order = torch.argsort(breakpoints)
-    ordered = breakpoints[order]
-    finite = torch.isfinite(ordered)
-    ordered, order = ordered[finite], order[finite]
+    ordered, order = _sorted_breakpoints(slope, bias, positive_only=positive_only)
     if ordered.numel() == 0:
         if not positive_only:
             return []
         probes = torch.ones(1, dtype=left.dtype, device=left.device)  # one pattern for every alpha > 0
     else:
-        probes = _probes(ordered, positive_only=positive_only)
+        probes = probe_alphas(ordered, positive_only=positive_only)
     found: list[tuple[float, torch.Tensor]] = []
     if fresh_grams:
         for start in range(0, probes.numel(), chunk):
