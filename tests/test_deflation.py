@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,8 @@ from fl_attack.audit.observations import ClientIdentity, ClientUpdate
 from fl_attack.data.images import load_dataset
 from fl_attack.pipeline.search.candidates import informative_rows
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
-from fl_attack.pipeline.side_information.next_layer import Deflation
+from fl_attack.pipeline.selection.select import Selection
+from fl_attack.pipeline.side_information.next_layer import Deflation, with_certified_rows
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, next_layer_gradient
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
@@ -206,7 +208,7 @@ def test_a_partial_result_keeps_the_certified_samples_exact(monkeypatch: pytest.
     exact, certified, complete = exact_rows()
     assert not complete and certified >= 10 and exact >= certified
     # the selection's own rows of a partial batch mix in the completion of its unfound directions
-    monkeypatch.setattr(spear_module, "with_certified_rows", lambda selection, deflation: selection)
+    monkeypatch.setattr(spear_module, "with_certified_rows", lambda selection, deflation, **_: selection)
     without, _, _ = exact_rows()
     assert without < certified
 
@@ -362,3 +364,44 @@ def test_the_next_layer_never_costs_the_rows_the_bare_attack_recovers() -> None:
     deflated = exact_rows(next_update)
     assert deflated == 8
     assert deflated >= exact_rows(None)
+
+
+def _selection(found: list[bool], per_sample: list[float]) -> Selection:
+    directions = torch.eye(4, dtype=torch.float64)
+    inputs = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    matching = torch.tensor(per_sample, dtype=torch.float64)
+    return Selection(directions, torch.tensor(found), inputs, matching, float(matching.mean()))
+
+
+def _certified(direction: list[float], inputs: list[float], agreement: float) -> SimpleNamespace:
+    unit = torch.tensor(direction, dtype=torch.float64)
+    return SimpleNamespace(
+        direction=unit / unit.norm(), inputs=torch.tensor(inputs, dtype=torch.float64), agreement=agreement
+    )
+
+
+def test_certified_rows_replace_the_weakest_rows_of_a_complete_batch_not_accepted() -> None:
+    # near-twins can leave a complete but unaccepted selection nearly singular, each of its rows off;
+    # the certified samples' inputs are exact by themselves and take the rows
+    selection = _selection([True] * 4, [1.0, 0.5, 0.9, 0.8])
+    on_row_2 = _certified([0.0, 0.0, 1.0, 0.0], [-1.0, -2.0, -3.0], 1.0)
+    elsewhere = _certified([1.0, 1.0, 0.0, 0.0], [7.0, 7.0, 7.0], 0.99)
+    again = _certified([1.0, -1.0, 0.0, 0.0], [5.0, 5.0, 5.0], 0.98)
+    deflation = SimpleNamespace(samples=[on_row_2, elsewhere, again])
+    kept = with_certified_rows(selection, deflation)  # type: ignore[arg-type]
+    assert kept.inputs[2].tolist() == [-1.0, -2.0, -3.0]
+    assert kept.inputs[1].tolist() == [7.0, 7.0, 7.0]  # the weakest row (0.5)
+    assert kept.inputs[3].tolist() == [5.0, 5.0, 5.0]  # then the weakest row not yet certified (0.8)
+    assert kept.inputs[0].tolist() == [0.0, 1.0, 2.0]
+    assert kept.per_sample.tolist() == [1.0, 0.99, 1.0, 0.98] and kept.complete
+    # an accepted batch stays as it is
+    assert with_certified_rows(selection, deflation, keep_complete=True) is selection  # type: ignore[arg-type]
+
+
+def test_certified_rows_fill_the_unfound_rows_of_a_partial_batch() -> None:
+    selection = _selection([True, False, True, False], [1.0, 0.0, 0.9, 0.0])
+    first = _certified([0.0, 1.0, 1.0, 0.0], [7.0, 7.0, 7.0], 1.0)
+    second = _certified([0.0, 1.0, -1.0, 1.0], [5.0, 5.0, 5.0], 1.0)
+    kept = with_certified_rows(selection, SimpleNamespace(samples=[first, second]), keep_complete=True)  # type: ignore[arg-type]
+    assert kept.inputs[1].tolist() == [7.0, 7.0, 7.0] and kept.inputs[3].tolist() == [5.0, 5.0, 5.0]
+    assert kept.found.tolist() == [True] * 4 and kept.inputs[0].tolist() == [0.0, 1.0, 2.0]

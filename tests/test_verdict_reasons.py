@@ -249,3 +249,19 @@ def test_a_spent_share_of_the_budget_is_named_as_a_share() -> None:
     assert _reason(whole, signature=lambda: LOW_RANK, time_budget=30.0)[1].startswith(
         "the attack spent its whole 30 s budget"
     )
+
+
+def test_a_whole_batch_not_verified_names_its_certified_samples() -> None:
+    stats = {
+        "directions_found": 4,
+        "stopped_by": "time_budget",
+        "next_layer_certified": 3,
+        **_self_check("rank 2 < 4 above the noise"),
+    }
+    verdict, reason = _reason(stats, signature=lambda: LOW_RANK, time_budget=30.0)
+    assert (verdict, reason) == (
+        "timeout",
+        "the attack spent its whole 30 s budget: all 4 directions were found but not verified as the batch "
+        "(3 of them confirmed one by one through the next layer's update): the self-check against the "
+        "observed update failed (rank 2 < 4 above the noise)",
+    )

@@ -288,7 +288,9 @@ class GradientInversionAttack(LayerAttackBase):
         state.deflation = deflation_for(following, pool, update, active, local_steps=local_steps, stats=stats)
         selection = self._run(state, scorer)
         accepted = self._accepted(selection, scorer)
-        selection = with_certified_rows(selection, state.deflation)  # incomplete: certified rows are exact
+        # certified rows are exact by themselves: they go into any batch not accepted (never in a noisy
+        # one, whose claim reads the selection's matching)
+        selection = with_certified_rows(selection, state.deflation, keep_complete=accepted or state.noisy)
         if not accepted and stats.get("stopped_by") != "no_improvement" and state.deadline.expired():
             stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(

@@ -280,7 +280,7 @@ def decide_verdict(
 
 def _all_found_unconfirmed(attack: Mapping[str, Any], b: int) -> str:
     """Why a batch whose every direction was found is still not a confirmed reconstruction."""
-    found = f"all {b} directions were found but not verified as the batch: "
+    found = f"all {b} directions were found but not verified as the batch{_certified_note(attack)}: "
     if attack.get("self_check_passed") is False:
         reasons = attack.get("self_check_reasons")
         why = f" ({reasons})" if isinstance(reasons, str) and reasons else ""

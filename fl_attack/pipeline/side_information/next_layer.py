@@ -488,28 +488,39 @@ def deflation_for(
     )
 
 
-def with_certified_rows(selection: Selection, deflation: Deflation | None) -> Selection:
-    """An incomplete ``selection`` with the certified samples' inputs in its rows.
+def with_certified_rows(
+    selection: Selection, deflation: Deflation | None, *, keep_complete: bool = False
+) -> Selection:
+    """``selection`` with the certified samples' inputs in its rows, unless it is complete and
+    ``keep_complete`` (an accepted batch is kept as it is).
 
     In a partial selection ``X^T = Q^{-1} R`` mixes every row with the orthonormal completion that
     stands for the unfound directions, so even its found rows are off; a certified sample's input
-    is exact by itself. Each certified sample replaces the found row of its direction, or takes the
-    row of an unfound one (then found), with its pattern agreement as the row's matching. A
-    complete selection is returned as it is.
+    is exact by itself. Each certified sample replaces the row of its direction, or takes the row
+    of an unfound one (then found), or, in a complete selection that was not accepted (near-twins
+    can leave one nearly singular, every row of ``Q^{-1} R`` off), the row that matches the update
+    worst; its pattern agreement becomes the row's matching. A row takes one certified sample.
     """
-    if deflation is None or selection.complete or not deflation.samples:
+    if deflation is None or not deflation.samples or (selection.complete and keep_complete):
         return selection
     directions, found = selection.directions.clone(), selection.found.clone()
     inputs, per_sample = selection.inputs.clone(), selection.per_sample.clone()
     unit = directions / directions.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    certified = torch.zeros_like(found)
     for sample in deflation.samples:
-        same = found & ((unit @ sample.direction).abs() > SAME_SAMPLE_COS)
-        free = torch.nonzero(same if bool(same.any()) else ~found).flatten()
-        if free.numel() == 0:
+        same = found & ~certified & ((unit @ sample.direction).abs() > SAME_SAMPLE_COS)
+        if bool(same.any()):
+            row = int(torch.nonzero(same).flatten()[0])
+        elif bool((~found).any()):
+            row = int(torch.nonzero(~found).flatten()[0])
+        elif bool((~certified).any()):
+            weakest = torch.where(certified, torch.full_like(per_sample, math.inf), per_sample)
+            row = int(torch.argmin(weakest))
+        else:
             continue
-        row = int(free[0])
         directions[row], unit[row], found[row] = sample.direction, sample.direction, True
         inputs[row] = sample.inputs.to(inputs)
         per_sample[row] = sample.agreement
+        certified[row] = True
     matching = float(per_sample.mean())
     return Selection(directions, found, inputs, per_sample, matching)
