@@ -26,7 +26,7 @@ from fl_attack.data.images import load_dataset
 from fl_attack.pipeline.search.candidates import informative_rows
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
 from fl_attack.pipeline.selection.select import Selection
-from fl_attack.pipeline.side_information.next_layer import Deflation, with_certified_rows
+from fl_attack.pipeline.side_information.next_layer import Deflation, confirm_weak_rows, with_certified_rows
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors, decompose
 from fl_attack.simulate.victims import build_victim, client_gradient, first_linear, next_layer_gradient
 from fl_attack.vocabulary import EXACT_RELATIVE_ERROR
@@ -405,3 +405,44 @@ def test_certified_rows_fill_the_unfound_rows_of_a_partial_batch() -> None:
     kept = with_certified_rows(selection, SimpleNamespace(samples=[first, second]), keep_complete=True)  # type: ignore[arg-type]
     assert kept.inputs[1].tolist() == [7.0, 7.0, 7.0] and kept.inputs[3].tolist() == [5.0, 5.0, 5.0]
     assert kept.found.tolist() == [True] * 4 and kept.inputs[0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_weak_row_is_confirmed_by_the_next_layer_and_a_blend_is_not() -> None:
+    plain = problem(seed=3)
+    neuron = _active_neuron(plain.update, 4)
+    case = problem(seed=3, vanishing=((4, neuron),))
+    inputs = case.update.inputs.clone()
+    confidence = torch.ones(BATCH, dtype=torch.float64)
+    confidence[4] = 0.99  # its vanishing gradient at an active neuron
+    selection = Selection(case.truth.clone(), torch.ones(BATCH, dtype=torch.bool), inputs, confidence, 0.999)
+    stats = confirm_weak_rows(case.deflation(), selection, confidence)
+    assert stats == {"weak_rows": 1, "next_layer_confirmed_rows": 1, "unconfirmed_min_confidence": 1.0}
+    # a row standing for a blend of two samples is not confirmed, nor a right direction whose row is off
+    blend = case.truth.clone()
+    blend[5] = (case.truth[5] + 0.3 * case.truth[6]) / (case.truth[5] + 0.3 * case.truth[6]).norm()
+    confidence[5] = 0.97
+    off = inputs.clone()
+    off[4] = inputs[4] * (1.0 + 1e-3)
+    for directions, rows in ((blend, inputs), (case.truth, off)):
+        chosen = Selection(directions, torch.ones(BATCH, dtype=torch.bool), rows, confidence, 0.99)
+        stats = confirm_weak_rows(case.deflation(), chosen, confidence)
+        assert stats["next_layer_confirmed_rows"] < stats["weak_rows"]
+        assert stats["unconfirmed_min_confidence"] < 0.999
+    assert confirm_weak_rows(None, selection, confidence) == {}
+    assert confirm_weak_rows(case.deflation(), selection, torch.ones(BATCH, dtype=torch.float64)) == {}
+
+
+def test_an_attack_confirms_a_sample_whose_active_neuron_has_no_gradient() -> None:
+    inputs = torch.randn(8, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    plain = relu_layer_update(inputs, width=100, seed=0)
+    neuron = int(torch.argmax(plain.weight @ inputs[2] + plain.bias))
+    update = relu_layer_update(inputs, width=100, seed=0, vanishing=((2, neuron),))
+    following = next_layer_update(update, width=30, seed=1)
+    attacker = SpearPlusPlus(seed=0, time_budget=120.0, progress=False)
+    result = attacker.invert(**update.arrays(), batch_size=8, next_weight_grad=following)
+    error = torch.cdist(result.inputs.double(), inputs).min(dim=1).values / inputs.norm(dim=1)
+    assert result.complete and float(error.max()) < 1e-9 and float(result.confidence.min()) < 0.999
+    assert result.stats["weak_rows"] == result.stats["next_layer_confirmed_rows"] == 1
+    assert result.stats["unconfirmed_min_confidence"] == 1.0
+    alone = SpearPlusPlus(seed=0, time_budget=120.0, progress=False).invert(**update.arrays(), batch_size=8)
+    assert alone.complete and "weak_rows" not in alone.stats  # no next layer: nothing confirms it

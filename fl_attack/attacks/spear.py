@@ -51,6 +51,7 @@ from fl_attack.pipeline.side_information.missing_samples import (
 )
 from fl_attack.pipeline.side_information.next_layer import (
     Deflation,
+    confirm_weak_rows,
     deflation_for,
     next_layer_update,
     with_certified_rows,
@@ -334,6 +335,9 @@ class GradientInversionAttack(LayerAttackBase):
             selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
         claimed = claimed and not stats.get("drift_aware", False)
+        if claimed and check.passed and epoch is None and not state.noisy:
+            # rows whose pattern disagrees somewhere, confirmed one by one where the next layer can
+            stats.update(confirm_weak_rows(state.deflation, selection, confidence))
         elapsed = budget.elapsed()
         found, verdict = stats["directions_found"], "passed" if check.passed else "failed"
         logger.info(

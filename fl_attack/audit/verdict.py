@@ -193,7 +193,17 @@ def decide_verdict(
         # a batch fitted to one local epoch was judged sample by sample at the weights of its own
         # step (fit and self-check); its agreement at W_0, which later steps leave, says nothing
         own_steps = bool(_epoch_prefix(attack))
-        if complete and not noisy and not adaptive and not own_steps and weakest < EXACT_MIN_CONFIDENCE:
+        # rows below the bar that the next layer's update confirmed one by one no longer count
+        unconfirmed = attack.get("unconfirmed_min_confidence")
+        confirmed_weak = isinstance(unconfirmed, (int, float)) and float(unconfirmed) >= EXACT_MIN_CONFIDENCE
+        if (
+            complete
+            and not noisy
+            and not adaptive
+            and not own_steps
+            and weakest < EXACT_MIN_CONFIDENCE
+            and not confirmed_weak
+        ):
             return Verdict(
                 VERDICT_APPROXIMATE,
                 f"{_epoch_prefix(attack)}all {b} samples found, but the weakest one's ReLU pattern agrees with the update at only "
@@ -210,6 +220,7 @@ def decide_verdict(
             return Verdict(
                 VERDICT_EXACT,
                 f"{_epoch_prefix(attack)}all {b} samples recovered; the self-check passed (sparsity matching {matching:.3f}{precise})"
+                + (_confirmed_note(attack, weakest) if weakest < EXACT_MIN_CONFIDENCE else "")
                 + _features_note(input_space),
             )
         merged = int(attack.get("next_layer_checked", 0) or 0) + int(
@@ -276,6 +287,17 @@ def decide_verdict(
     if status == STATUS_KILLED:
         return Verdict(VERDICT_FAILED, f"the attack's worker was killed: {error}{_kept_note(attack)}")
     return Verdict(VERDICT_FAILED, f"the attack failed: {error}")
+
+
+def _confirmed_note(attack: Mapping[str, Any], weakest: float) -> str:
+    """Why samples whose ReLU pattern agrees below the bar are still exact: the next layer's
+    update confirmed each (:func:`fl_attack.pipeline.side_information.next_layer.confirm_weak_rows`)."""
+    rows = int(attack.get("next_layer_confirmed_rows", 0) or 0)
+    return (
+        f"; {rows} sample{'s' if rows != 1 else ''} whose ReLU pattern agrees with the update at only "
+        f"{weakest:.4f} (an active neuron whose gradient vanishes below the update's precision) "
+        f"{'were each' if rows != 1 else 'was'} confirmed through the next layer's update"
+    )
 
 
 def _all_found_unconfirmed(attack: Mapping[str, Any], b: int) -> str:

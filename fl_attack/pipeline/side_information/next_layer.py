@@ -524,3 +524,51 @@ def with_certified_rows(
         certified[row] = True
     matching = float(per_sample.mean())
     return Selection(directions, found, inputs, per_sample, matching)
+
+
+#: A certified input confirms a selection's row for the same sample when they agree to this
+#: relative error (both are exact; they differ by rounding).
+CONFIRM_RELATIVE_ERROR = 1e-4
+
+
+def confirm_weak_rows(
+    deflation: Deflation | None, selection: Selection, confidence: torch.Tensor
+) -> dict[str, float | int]:
+    """Certify through the next layer the rows of an accepted ``selection`` whose ReLU pattern
+    does not agree with the update everywhere (``confidence < 1``).
+
+    Such a row is usually a sample with an active neuron whose gradient vanishes below the
+    update's precision (the certification drops that wrong zero as the row of leverage 1). A
+    row is confirmed when a sample certified on its direction has its input to
+    :data:`CONFIRM_RELATIVE_ERROR`.
+
+    Returns
+    -------
+    dict
+        Empty without a deflation or without such rows; else ``weak_rows``,
+        ``next_layer_confirmed_rows`` and ``unconfirmed_min_confidence`` (the weakest matching
+        of the rows not confirmed, 1 when every one was).
+    """
+    weak = torch.nonzero(confidence < 1.0).flatten().tolist()
+    if deflation is None or not weak:
+        return {}
+    directions = selection.directions[weak]
+    deflation.certify(directions)
+    confirmed, unconfirmed = 0, 1.0
+    for row, direction in zip(weak, directions, strict=True):
+        unit = direction / direction.norm().clamp_min(1e-300)
+        row_inputs = selection.inputs[row]
+        scale = float(row_inputs.norm().clamp_min(1e-300))
+        agrees = any(
+            abs(float(sample.direction.to(unit) @ unit)) > SAME_SAMPLE_COS
+            and float((sample.inputs.to(row_inputs) - row_inputs).norm()) <= CONFIRM_RELATIVE_ERROR * scale
+            for sample in deflation.samples
+        )
+        confirmed += int(agrees)
+        if not agrees:
+            unconfirmed = min(unconfirmed, float(confidence[row]))
+    return {
+        "weak_rows": len(weak),
+        "next_layer_confirmed_rows": confirmed,
+        "unconfirmed_min_confidence": unconfirmed,
+    }
