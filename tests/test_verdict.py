@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -131,28 +133,26 @@ def test_decision_table() -> None:
     )
     assert blended.verdict == "approximate" and "0.9950" in blended.reason
     confirmed_weak = {"weak_rows": 2, "next_layer_confirmed_rows": 2, "unconfirmed_min_confidence": 1.0}
-    confirmed = decide_verdict(
-        status="ok",
-        error=None,
-        attack={**clean, "min_confidence": 0.995, **confirmed_weak},
-        signature=never,
-        magnitude_concentration=0.02,
-        input_space="inputs",
-    )
+
+    def weak(**confirmation: Any) -> Any:
+        attack = {**clean, "min_confidence": 0.995, **confirmation}
+        return decide_verdict(
+            status="ok",
+            error=None,
+            attack=attack,
+            signature=never,
+            magnitude_concentration=0.02,
+            input_space="inputs",
+        )
+
+    confirmed = weak(**confirmed_weak)
     assert confirmed.verdict == "exact" and confirmed.reason.endswith(
         "; 2 samples whose ReLU pattern agrees with the update at only 0.9950 (an active neuron whose "
         "gradient vanishes below the update's precision) were each confirmed through the next layer's update"
     )
     # one weak row left unconfirmed keeps the batch approximate
     partly = {**confirmed_weak, "next_layer_confirmed_rows": 1, "unconfirmed_min_confidence": 0.995}
-    still_blended = decide_verdict(
-        status="ok",
-        error=None,
-        attack={**clean, "min_confidence": 0.995, **partly},
-        signature=never,
-        magnitude_concentration=0.02,
-        input_space="inputs",
-    )
+    still_blended = weak(**partly)
     assert still_blended.verdict == "approximate" and "0.9950" in still_blended.reason
 
     noisy = {**clean, "noisy": True, "relative_noise": 0.3}
