@@ -14,12 +14,13 @@ from unittest import mock
 import pytest
 import torch
 
+import fl_attack.attacks.spear as spear_module
 import fl_attack.pipeline.selection.near_duplicates as twin_planes_module
 import fl_attack.pipeline.side_information.input_rounds as input_rounds_module
 import fl_attack.pipeline.side_information.missing_samples as missing_module
 from fl_attack import Reconstruction, SpearPlusPlus
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
-from fl_attack.pipeline.selection.select import SparsityMatchingScorer, sparsest_independent
+from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer, sparsest_independent
 from fl_attack.pipeline.side_information.input_cone import InputSide
 from fl_attack.pipeline.side_information.missing_samples import missing_sample_directions
 from fl_attack.pipeline.spectrum.decompose import decompose
@@ -80,10 +81,15 @@ def test_without_them_the_first_round_falls_short() -> None:
     def no_planes(factors: object, directions: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
         return directions.new_zeros(0, BATCH)
 
-    # the twin planes (fl_attack/pipeline/selection/near_duplicates.py) reach these samples too: both off
+    def no_deepest_rows(state: object, scorer: object, selection: Selection, **_: object) -> torch.Tensor:
+        return selection.directions.new_zeros(0, BATCH)
+
+    # the twin planes (fl_attack/pipeline/selection/near_duplicates.py) and the deepest rows' kernels
+    # (fl_attack/pipeline/local_training/epoch_last_directions.py) reach these samples too: all off
     with (
         mock.patch.object(missing_module, "missing_sample_directions", nothing),
         mock.patch.object(twin_planes_module, "twin_plane_proposals", no_planes),
+        mock.patch.object(spear_module, "epoch_last_directions", no_deepest_rows),
     ):
         reconstruction, inputs = attack_deep_victim(0, one_round=True)
     assert not reconstruction.complete
