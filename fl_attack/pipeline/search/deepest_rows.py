@@ -111,9 +111,10 @@ def deepest_row_kernels(
                 for size in sizes:
                     deepest = torch.topk(depth, k=size, dim=1, largest=False)
                     fresh = []
+                    shallowest = deepest.values[:, -1].tolist()  # one host read, not one per row
                     for row, rows in enumerate(deepest.indices.sort(dim=1).values.tolist()):
                         key = tuple(rows)
-                        if key not in seen and float(deepest.values[row, -1]) < 0:
+                        if key not in seen and shallowest[row] < 0:
                             seen.add(key)
                             fresh.append(row)
                     if fresh:
