@@ -202,7 +202,7 @@ def test_concurrent_cuda_attacks_each_run_on_a_stream_of_their_own(fake_cuda: Fa
         assert stream.synchronized == 1  # before the results are read
     assert fake_cuda.current_stream() is fake_cuda.default  # this thread's stream is unchanged
     with own_stream(attacker) as again:
-        pass
+        assert fake_cuda.current_stream() is again  # the block runs on the stream it was given
     assert again in streams and len(fake_cuda.made) == 3  # a free stream is reused, not made anew
 
 
