@@ -129,11 +129,12 @@ class CellResult:
     claimed: int
     wrong_claims: int
     seconds: list[float]
+    grid_claims: int = 0
 
 
 def run_cell(cell: TrainingCell, data: ImageData, *, batches: int, time_budget: float) -> CellResult:
     """Attack ``batches`` clients (seeds 0, 1, ...) of one cell."""
-    exact = approx = claimed = wrong = 0
+    exact = approx = claimed = wrong = grid = 0
     seconds: list[float] = []
     for seed in range(batches):
         images, weight_delta, bias_delta, layer = client_update(cell, data, seed=seed)
@@ -151,8 +152,9 @@ def run_cell(cell: TrainingCell, data: ImageData, *, batches: int, time_budget: 
         approx += int((psnr > APPROX_PSNR_DB).sum())
         is_claimed = rec.complete and rec.self_check is not None and rec.self_check.exact
         claimed += int(is_claimed)
+        grid += int(is_claimed and bool(rec.stats.get("self_check_certificate")))
         wrong += int(is_claimed and quality.exact_fraction < 1.0)
-    return CellResult(cell, batches * cell.samples, exact, approx, claimed, wrong, seconds)
+    return CellResult(cell, batches * cell.samples, exact, approx, claimed, wrong, seconds, grid)
 
 
 def markdown(results: Sequence[CellResult], *, dataset: str, time_budget: float) -> str:
@@ -167,9 +169,14 @@ def markdown(results: Sequence[CellResult], *, dataset: str, time_budget: float)
         median, largest = statistics.median(result.seconds), max(result.seconds)
         lines.append(
             f"| {result.cell.label()} | {result.exact_rows} / {result.rows} | {result.approx_rows} / {result.rows} "
-            f"| {result.claimed} of {len(result.seconds)} | {result.wrong_claims} | {median:.1f} s ({largest:.1f} s) |"
+            f"| {result.claimed} of {len(result.seconds)}{_by_grid(result)} | {result.wrong_claims} "
+            f"| {median:.1f} s ({largest:.1f} s) |"
         )
     return "\n".join(lines)
+
+
+def _by_grid(result: CellResult) -> str:
+    return f" ({result.grid_claims} by the pixel grid)" if result.grid_claims else ""
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,15 @@ class Reconstruction:
         exact: ``complete`` says that all directions were found, that their mean matching
         is well above chance (``fl_attack.attacks.spear.NOISY_COMPLETE_MATCHING``; below it the
         measured reconstructions were noise) and that the self-check passed up to the noise.
+        Where the patterns at ``W_0`` do not confirm a clean batch (several local epochs move
+        them) but every row lies on one 8-bit pixel grid, the grid does
+        (``self_check.certificate``, :mod:`fl_attack.pipeline.selection.pixel_grid`) and the
+        rows are rounded to their exact pixels.
     confidence
         ``(batch_size,)`` float64 tensor: per-sample sparsity-matching coefficient, 0 for
         placeholder rows. Near 1 means the sample is consistent with the observed update. For
         an update fitted as one local epoch of mini-batches (``stats["local_epoch"]``), each
-        sample's matching at the weights of its own step.
+        sample's matching at the weights of its own step; 1 for rows certified by their pixel grid.
     seconds
         Wall-clock time of the attack.
     stats

@@ -167,6 +167,40 @@ def test_self_check_refuses_look_alike_samples_that_a_blend_explains_as_well() -
         assert check.pattern_twins == 1 and check.reasons == ("1 pair of rows shares one ReLU pattern",)
 
 
+def _nested_copy(inputs: torch.Tensor, *, width: int, seed: int) -> torch.Tensor:
+    """``inputs`` with row 3 moved from row 0 just past the first neuron threshold on a random line:
+    the two patterns differ on that neuron alone."""
+    probe = relu_layer_update(inputs, width=width, seed=seed)  # the layer depends on the seed only
+    direction = torch.randn(
+        inputs.shape[1], generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
+    )
+    crossing = -(probe.weight @ inputs[0] + probe.bias) / (probe.weight @ direction)
+    first, second = crossing[crossing > 0].sort().values[:2].tolist()
+    x = inputs.clone()
+    x[3] = inputs[0] + 0.5 * (first + second) * direction
+    return x
+
+
+def test_self_check_refuses_samples_whose_patterns_nest_as_a_family_of_batches_explains_them() -> None:
+    """Two samples apart on one neuron only: the truth and, for the one inactive there,
+    ``x_i + a (x_i - x_j)`` (a > 0 small) both re-synthesise the update exactly, so the batch is
+    refused (a multi-step update once held such a wrong pair exactly, where the true one drifted)."""
+    inputs = _nested_copy(_batch("gaussian", 4, 16, seed=7), width=40, seed=7)
+    update = relu_layer_update(inputs, width=40, seed=7)
+    pattern = (update.weight @ inputs.T + update.bias[:, None]) > 0
+    (neuron,) = torch.nonzero(pattern[:, 0] != pattern[:, 3]).flatten().tolist()
+    inactive, other = (0, 3) if not bool(pattern[neuron, 0]) else (3, 0)
+    family = inputs.clone()
+    family[inactive] = inputs[inactive] + 0.05 * (inputs[inactive] - inputs[other])
+    for check in (_check(update, inputs), _check(update, family)):
+        assert check.residual <= check.tolerance and check.bias_residual <= check.bias_tolerance
+        assert not check.passed and check.nested_patterns == 1 and check.pattern_twins == 0
+        assert check.reasons == (
+            "1 pair of rows with nested ReLU patterns (every neuron one leaves inactive the other does "
+            "too): a family of other batches explains the update as well",
+        )
+
+
 def test_self_check_passes_the_true_batch() -> None:
     inputs = _batch("gaussian", 4, 16, seed=4)
     check = _check(relu_layer_update(inputs, width=40, seed=4), inputs)
@@ -279,3 +313,57 @@ def test_one_local_epoch_of_mini_batches_is_claimed_exact(momentum: float, decay
     assert float(rec.confidence.min()) == 1.0  # each sample matches at its own step
     assert rec.stats["local_epoch"].startswith("fits one local epoch")
     assert ("weight_decay_scale" in rec.stats) is (decay > 0)
+
+
+# --------------------------------------------------------------------------------------
+# 8-bit images: claims that rest on the pixel grid
+# --------------------------------------------------------------------------------------
+
+
+def _image_batch(kind: str, batch: int, pixels: int, seed: int) -> torch.Tensor:
+    """``(batch, 3 pixels)`` normalized 8-bit images (channels-first); near copies and copies that
+    differ by even levels only are the cases where grid points other than the images lie in range."""
+    generator = torch.Generator().manual_seed(seed)
+    levels = torch.randint(0, 256, (batch, 3, pixels), generator=generator).double()
+    if kind in ("near-copies", "even-differences"):
+        step = 1 if kind == "near-copies" else 2
+        shift = step * torch.randint(-2, 3, (3, pixels), generator=generator).double()
+        levels[1] = (levels[0] + shift).clamp(0, 255)
+    mean = torch.tensor((0.49, 0.48, 0.45), dtype=torch.float64).view(1, 3, 1)
+    std = torch.tensor((0.25, 0.24, 0.26), dtype=torch.float64).view(1, 3, 1)
+    return ((levels / 255 - mean) / std).reshape(batch, -1)
+
+
+@st.composite
+def _image_training_cases(draw: st.DrawFn) -> tuple[torch.Tensor, SyntheticUpdate]:
+    kind = draw(st.sampled_from(("distinct", "near-copies", "even-differences")))
+    batch = draw(st.integers(4, 8))
+    pixels = draw(st.integers(64, 96))
+    seed = draw(st.integers(0, 2**16))
+    inputs = _image_batch(kind, batch, pixels, seed)
+    update = _local_training_update(
+        inputs,
+        width=draw(st.integers(40, 120)),
+        seed=seed,
+        batch=draw(st.integers(1, batch)),
+        epochs=draw(st.integers(1, 4)),
+        lr=draw(st.sampled_from((0.01, 0.05, 0.1, 0.3))),
+        momentum=draw(st.sampled_from((0.0, 0.9))),
+        decay=draw(st.sampled_from((0.0, 5e-4))),
+    )
+    return inputs, update
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(_image_training_cases())
+def test_an_exact_claim_on_images_trained_locally_is_always_the_true_batch(
+    case: tuple[torch.Tensor, SyntheticUpdate],
+) -> None:
+    """8-bit images, random N, B, E, lr, momentum and weight decay: a claim (through the pixel grid
+    or the patterns) is never wrong, near copies included."""
+    inputs, update = case
+    rec = _attack(update)
+    if rec is None or not rec.complete:
+        return
+    assert rec.self_check is not None and rec.self_check.passed
+    _assert_every_row_is_a_true_sample(rec, inputs)

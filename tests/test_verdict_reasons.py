@@ -30,6 +30,7 @@ def _self_check(*reasons: str) -> dict[str, Any]:
         min_pair_distance=0.5,
         pair_distance_floor=1e-7,
         pattern_twins=0,
+        nested_patterns=0,
         rank=4,
         reasons=tuple(reasons),
     )

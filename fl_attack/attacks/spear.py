@@ -34,6 +34,7 @@ from fl_attack.pipeline.search.candidates import (
 from fl_attack.pipeline.search.progress import report_selection
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, min_sparsity
 from fl_attack.pipeline.selection.near_duplicates import split_blends, twin_self_check
+from fl_attack.pipeline.selection.pixel_grid import PixelGrid, pixel_grid
 from fl_attack.pipeline.selection.precision import precision_stats
 from fl_attack.pipeline.selection.select import (
     Selection,
@@ -42,7 +43,8 @@ from fl_attack.pipeline.selection.select import (
     finishing_seconds,
     select,
 )
-from fl_attack.pipeline.selection.self_check import self_check
+from fl_attack.pipeline.selection.self_check import pixel_grid_self_check, self_check
+from fl_attack.pipeline.side_information.background_rows import background_rows, background_value
 from fl_attack.pipeline.side_information.input_cone import InputSideSlot
 from fl_attack.pipeline.side_information.input_rounds import interleave_input_side
 from fl_attack.pipeline.side_information.missing_samples import (
@@ -89,6 +91,9 @@ NOISY_COMPLETE_MATCHING = 0.75
 #: A complete clean selection matching at least this well everywhere is kept once restarts stop improving it.
 SETTLED_MATCHING = 0.9
 
+#: Share of the search's remaining time the input side shifted by a shared background may take, once.
+BACKGROUND_SHARE = 0.25
+
 
 @dataclass
 class SearchState:
@@ -108,6 +113,8 @@ class SearchState:
     latest: Selection | None = None  # the best selection so far (read by the drift rounds)
     deflation: Deflation | None = None  # samples certified by the next layer's update
     epoch_tried: list[torch.Tensor] = field(default_factory=list)  # known columns of the epoch scans
+    grid_of: Selection | None = None  # the last complete selection whose rows were read for a pixel grid
+    grid: PixelGrid | None = None  # and the grid they lie on (None: none)
 
 
 class GradientInversionAttack(LayerAttackBase):
@@ -289,9 +296,12 @@ class GradientInversionAttack(LayerAttackBase):
         state.deflation = deflation_for(following, pool, update, active, local_steps=local_steps, stats=stats)
         selection = self._run(state, scorer)
         accepted = self._accepted(selection, scorer)
+        # rows on an 8-bit pixel grid are images whatever their patterns at W_0 (several local epochs)
+        grid = None if accepted else self._pixel_grid(state, selection)
         # certified rows are exact by themselves: they go into any batch not accepted (never in a noisy
         # one, whose claim reads the selection's matching)
-        selection = with_certified_rows(selection, state.deflation, keep_complete=accepted or state.noisy)
+        keep_complete = accepted or state.noisy or grid is not None
+        selection = with_certified_rows(selection, state.deflation, keep_complete=keep_complete)
         if not accepted and stats.get("stopped_by") != "no_improvement" and state.deadline.expired():
             stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(
@@ -326,6 +336,15 @@ class GradientInversionAttack(LayerAttackBase):
         )
         check = drift_self_check(check, scorer=scorer, selection=selection, stats=stats)
         check = twin_self_check(check, scorer=scorer, selection=selection, accept=self.accept_matching)
+        inputs = selection.inputs
+        if grid is not None:
+            check = pixel_grid_self_check(
+                check, grid, inputs=inputs, factors=factors, bias_grad=update.bias_update
+            )
+            if check.certificate:
+                inputs = grid.snap(inputs)  # their exact pixels
+                confidence = torch.ones_like(confidence)
+                stats.update(grid.stats())
         stats.update(check.stats())
         if not noisy and selection.complete:
             stats.update(precision_stats(scorer, selection))
@@ -334,7 +353,7 @@ class GradientInversionAttack(LayerAttackBase):
         claimed = selection.complete and (
             selection.sparsity_matching >= NOISY_COMPLETE_MATCHING if state.noisy else accepted
         )
-        claimed = claimed and not stats.get("drift_aware", False)
+        claimed = (claimed and not stats.get("drift_aware", False)) or bool(check.certificate)
         if claimed and check.passed and epoch is None and not state.noisy:
             # rows whose pattern disagrees somewhere, confirmed one by one where the next layer can
             stats.update(confirm_weak_rows(state.deflation, selection, confidence))
@@ -345,7 +364,7 @@ class GradientInversionAttack(LayerAttackBase):
             *(self.name, b, found, b, selection.sparsity_matching, verdict, elapsed),
         )
         return Reconstruction(
-            inputs=selection.inputs.detach().cpu(),
+            inputs=inputs.detach().cpu(),
             batch_size=b,
             sparsity_matching=selection.sparsity_matching,
             complete=claimed and check.passed,
@@ -360,6 +379,7 @@ class GradientInversionAttack(LayerAttackBase):
         best: Selection | None = None
         rounds = 0
         stale = 0
+        rows_tried = b < 2
         show = self.progress
         head: HeadRounds | None = None
         bar = tqdm(
@@ -407,6 +427,17 @@ class GradientInversionAttack(LayerAttackBase):
                     bar.refresh()
                     if self._accepted(best, scorer):
                         break
+                    if self._pixel_grid(state, best) is not None:
+                        state.stats["stopped_by"] = "pixel_grid"
+                        break
+                    if not rows_tried and not state.noisy:
+                        # the first selection falls short: try the whole batch from the input side
+                        rows_tried = True
+                        from_rows = self._background_selection(state, scorer)
+                        if from_rows is not None and self._pixel_grid(state, from_rows) is not None:
+                            best = state.latest = from_rows
+                            state.stats["stopped_by"] = "pixel_grid"
+                            break
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
@@ -428,7 +459,50 @@ class GradientInversionAttack(LayerAttackBase):
             state.stats["pruned"] = found - int(best.found.sum())
         if state.noisy or epoch_fit_for(scorer, best, accept_matching=self.accept_matching) is not None:
             return best  # a local epoch's samples hold their patterns at their own steps, not at W_0
+        if state.grid_of is best and state.grid is not None:
+            return best  # images on their pixel grid; a re-fit on W_0's patterns could only blur them
         return polish_for(scorer, best)
+
+    def _background_selection(self, state: SearchState, scorer: SparsityMatchingScorer) -> Selection | None:
+        """The batch reached from the input side shifted by a background its inputs share
+        (:mod:`fl_attack.pipeline.side_information.background_rows`), within a share of the search's time; None
+        where there is no such background or not every sample was reached."""
+        update, factors = scorer.update, scorer.factors
+        b = factors.batch_size
+        value = background_value(update, relative_noise=state.pool.tolerance.relative_noise, batch_size=b)
+        if value is None:
+            return None
+        state.stats["background_value"] = value
+        directions = background_rows(
+            update,
+            factors,
+            value=value,
+            tolerance=state.pool.tolerance,
+            generator=torch.Generator().manual_seed(self.seed or 0),
+            deadline=state.deadline.within(BACKGROUND_SHARE * max(0.0, state.deadline.remaining())),
+        )
+        state.stats["background_rows"] = (
+            "every sample reached" if directions is not None else "not every sample reached"
+        )
+        if directions is None:
+            return None
+        per_sample, _ = scorer.score(directions)
+        return Selection(
+            directions=directions,
+            found=torch.ones(b, dtype=torch.bool, device=directions.device),
+            inputs=scorer.inputs(directions),
+            per_sample=per_sample,
+            sparsity_matching=float(per_sample.mean()),
+        )
+
+    @staticmethod
+    def _pixel_grid(state: SearchState, selection: Selection) -> PixelGrid | None:
+        """The 8-bit pixel grid a complete clean selection's rows lie on (read once per selection)."""
+        if state.noisy or not selection.complete or not bool(selection.found.all()):
+            return None
+        if state.grid_of is not selection:
+            state.grid_of, state.grid = selection, pixel_grid(selection.inputs)
+        return state.grid
 
     def _without_weight_decay(
         self,

@@ -211,6 +211,13 @@ def decide_verdict(
                 "samples may be blended, or the layer's float32 rounding moved a neuron)"
                 + _features_note(input_space),
             )
+        certificate = attack.get("self_check_certificate")
+        if complete and not noisy and not adaptive and isinstance(certificate, str) and certificate:
+            return Verdict(
+                VERDICT_EXACT,
+                f"all {b} samples recovered; their ReLU patterns at the global weights do not confirm them "
+                f"(as after several local steps), but {certificate}" + _features_note(input_space),
+            )
         if complete and not noisy and not adaptive:
             matching = float(attack.get("sparsity_matching", 0.0))
             precision = attack.get("estimated_max_relative_error")

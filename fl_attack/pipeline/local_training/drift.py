@@ -41,8 +41,9 @@ from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScore
 from fl_attack.pipeline.selection.self_check import (
     AMBIGUITY_FACTOR,
     PRECISION_FLOOR,
-    RESIDUAL_NOISE_FACTOR,
     SelfCheck,
+    bias_outside_span,
+    without_resynthesis,
 )
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors
 from fl_attack.types import ObservedUpdate
@@ -252,7 +253,7 @@ def drift_self_check(
         return check
     b = selection.directions.shape[0]
     stats.update(drift_stats(scorer, selection), drift_aware=True)
-    kept = [reason for reason in check.reasons if not reason.startswith("re-synthesised")]
+    kept = without_resynthesis(check)
     violations = scorer.violations(selection.directions)
     failing = ~violations.passed(b) & selection.found
     if bool(failing.any()):
@@ -261,13 +262,7 @@ def drift_self_check(
             f"{int(failing.sum())} directions are not drift-consistent ({hard} with zeros on "
             f"neurons active at the start, {deep} non-zero where inactive deep at both ends)"
         )
-    left, bias_grad = scorer.factors.left, scorer.update.bias_update
-    bias_residual = float((bias_grad - left @ (left.T @ bias_grad)).norm()) / max(
-        float(bias_grad.norm()), 1e-300
-    )
-    singular = scorer.factors.singular_values
-    tail = float(singular[b:].square().sum().sqrt()) / max(float(singular.square().sum().sqrt()), 1e-300)
-    bias_tolerance = RESIDUAL_NOISE_FACTOR * max(tail, PRECISION_FLOOR)
+    bias_residual, bias_tolerance = bias_outside_span(scorer.factors, scorer.update.bias_update)
     if bias_residual > bias_tolerance:
         kept.append(f"bias update outside the weight update's span by {bias_residual:.2g}")
     return replace(

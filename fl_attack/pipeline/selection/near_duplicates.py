@@ -33,7 +33,7 @@ from fl_attack.pipeline.search.candidates import CandidatePool
 from fl_attack.pipeline.search.mixtures import split_mixtures
 from fl_attack.pipeline.search.sparsity import ZeroTolerance, deduplicate, zero_masks
 from fl_attack.pipeline.selection.select import Selection, SparsityMatchingScorer
-from fl_attack.pipeline.selection.self_check import SelfCheck, self_check
+from fl_attack.pipeline.selection.self_check import SelfCheck, passes_but_for_nesting, self_check
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors
 
 __all__ = ["PLANE_FLOPS", "split_blends", "twin_ambiguity", "twin_plane_proposals", "twin_self_check"]
@@ -284,7 +284,9 @@ def twin_ambiguity(
 
 
 def _passes_self_check(scorer: SparsityMatchingScorer, directions: torch.Tensor) -> bool:
-    """Whether the batch of ``directions`` passes the same self-check as a claimed batch."""
+    """Whether the batch of ``directions`` passes the same self-check as a claimed batch, nested
+    patterns aside (a batch with nested patterns explains the update as well: it makes the plane
+    ambiguous all the same)."""
     update = scorer.update
     check = self_check(
         scorer.inputs(directions),
@@ -296,7 +298,7 @@ def _passes_self_check(scorer: SparsityMatchingScorer, directions: torch.Tensor)
         exact=True,
         pre_activation_basis=scorer.pre_activation_basis,
     )
-    return check.passed
+    return passes_but_for_nesting(check)
 
 
 def twin_self_check(
