@@ -8,7 +8,8 @@ import torch
 from test_claims_property import _assert_every_row_is_a_true_sample, _attack, _local_training_update
 
 import fl_attack.attacks.spear as spear_module
-from fl_attack.pipeline.side_information.background_rows import background_value
+from fl_attack.pipeline.search.sparsity import ZeroTolerance
+from fl_attack.pipeline.side_information.background_rows import _last_row, background_value
 from fl_attack.types import LayerUpdate, ObservedUpdate
 
 MEAN, STD = 0.1307, 0.3081  # MNIST's normalization: the background 0 becomes -0.4242
@@ -79,3 +80,21 @@ def test_without_the_background_rows_the_same_digits_are_not_claimed(monkeypatch
     rec = _attack(update)
     assert rec is not None and not rec.complete
     assert rec.stats["background_rows"] == "not every sample reached"
+
+
+def test_the_last_row_follows_from_the_others_and_the_columns_sparsity() -> None:
+    """With b - 1 rows of ``Q^{-1}`` known, the missing one is where every known column is sparsest
+    (a sample whose ink covers a known one's is no vertex of the cone; the columns still decide)."""
+    generator = torch.Generator().manual_seed(3)
+    m, b = 60, 5
+    columns = torch.randn(m, b, generator=generator, dtype=torch.float64)
+    columns *= torch.rand(m, b, generator=generator) > 0.4  # each sample inactive on ~40% of the neurons
+    left, triangle = torch.linalg.qr(columns)  # columns = left @ triangle: q_i = triangle[:, i]
+    rows = torch.linalg.inv(triangle)
+    rows = rows / rows.norm(dim=1, keepdim=True)
+    tolerance = ZeroTolerance(absolute=1e-9, relative_noise=1e-15)
+    for missing in range(b):
+        known = torch.cat([rows[:missing], rows[missing + 1 :]])
+        last = _last_row(known, left, tolerance)
+        assert last is not None
+        assert float((last @ rows[missing]).abs()) == pytest.approx(1.0, abs=1e-12)

@@ -151,6 +151,10 @@ def background_rows(
         zero_counts.append(int(zeros[0]))
         sizes.append(float((row @ shifted).norm()) / scale)
         rows = _sample_rows(torch.stack(candidates), torch.tensor(zero_counts), torch.tensor(sizes), size=b)
+    if rows.shape[0] == b - 1:
+        last = _last_row(rows, left, tolerance)
+        if last is not None and float(last @ rho) > 0:
+            rows = torch.cat([rows, last[None, :]])
     if rows.shape[0] < b:
         return None
     inverse = rows
@@ -176,6 +180,41 @@ def _sample_rows(
         if len(chosen) == size:
             break
     return torch.stack(chosen) if chosen else candidates[:0]
+
+
+def _last_row(rows: torch.Tensor, left: torch.Tensor, tolerance: ZeroTolerance) -> torch.Tensor | None:
+    """The missing sample's row of ``Q^{-1}`` once the ``(b - 1, b)`` others are known, or None.
+
+    Its column ``q_b`` is the one direction orthogonal to the known rows. Any row ``p`` with
+    ``p . q_b = 1`` completes the inverse; moving it by ``a_i p_i`` moves known sample ``i``'s
+    column to ``c_i - a_i c_b``, so each ``a_i`` is the ratio ``c_i / c_b`` that zeroes the most
+    neurons (sample ``i``'s own zeros outside ``c_b``'s all give the same ratio), the gradient
+    side's sparsity deciding what the cone cannot (a sample whose ink covers a known one's is no
+    vertex of it: the programmes reach ``x_b - t x_i`` instead).
+    """
+    k, b = rows.shape
+    q_last = _null_space(rows)[:, 0]
+    start = q_last / q_last.square().sum()
+    try:
+        columns = left @ torch.linalg.inv(torch.cat([rows, start[None, :]]))  # (m, b)
+    except RuntimeError:
+        return None
+    last = columns[:, k]
+    live = last.abs() > tolerance.absolute * float(last.norm())
+    if int(live.sum()) == 0:
+        return None
+    shifts = torch.zeros(k, dtype=rows.dtype, device=rows.device)
+    for index in range(k):
+        column = columns[:, index]
+        ratios = torch.cat(
+            [torch.zeros(1, dtype=column.dtype, device=column.device), column[live] / last[live]]
+        )
+        moved = column[None, :] - ratios[:, None] * last[None, :]  # (candidates, m)
+        limit = tolerance.absolute * moved.norm(dim=1, keepdim=True)
+        zeros = (moved.abs() <= limit).sum(dim=1)
+        shifts[index] = ratios[int(torch.argmax(zeros))]  # the first maximum: no shift on a tie
+    row = start + shifts @ rows
+    return row / row.norm()
 
 
 def _null_space(rows: torch.Tensor) -> torch.Tensor:
