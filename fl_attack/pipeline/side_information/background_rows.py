@@ -22,7 +22,6 @@ import math
 
 import numpy as np
 import torch
-from scipy.optimize import linprog
 
 from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.search.sparsity import ZeroTolerance
@@ -231,21 +230,7 @@ def _vertex(
     ``steer . u`` (a missing sample's coefficient; the known ones give 0), ties broken by ``weights``."""
     if steer is None:
         return side.vertex(weights, seconds=seconds)
-    matrix = side.basis.detach().cpu().numpy()
-    objective = weights @ matrix
+    features = weights @ side.basis.detach().cpu().numpy()
     steer = steer / max(float(np.abs(steer).max()), 1e-300)
-    objective = -steer + TIE_BREAK * objective / max(float(np.abs(objective).max()), 1e-300)
-    result = linprog(
-        objective,
-        A_ub=-matrix,
-        b_ub=np.full(matrix.shape[0], side.tolerance.absolute / math.sqrt(matrix.shape[0])),
-        A_eq=matrix.sum(axis=0)[None, :],
-        b_eq=np.ones(1),
-        bounds=[(None, None)] * matrix.shape[1],
-        method="highs",
-        options={"time_limit": max(seconds, 1e-3)} if math.isfinite(seconds) else None,
-    )
-    if result.status != 0 or result.x is None:
-        return None
-    vertex: np.ndarray = result.x
-    return vertex
+    objective = -steer + TIE_BREAK * features / max(float(np.abs(features).max()), 1e-300)
+    return side.vertex(weights, seconds=seconds, objective=objective)

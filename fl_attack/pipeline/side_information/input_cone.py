@@ -128,7 +128,12 @@ class InputSide:
         return int(self.basis.shape[1])
 
     def vertex(
-        self, weights: np.ndarray, *, orthogonal_to: np.ndarray | None = None, seconds: float = math.inf
+        self,
+        weights: np.ndarray,
+        *,
+        orthogonal_to: np.ndarray | None = None,
+        seconds: float = math.inf,
+        objective: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """``u`` minimising ``weights^T V u`` over ``V u >= -tol / sqrt(n')``, ``1^T V u = 1``.
 
@@ -146,7 +151,8 @@ class InputSide:
         ``orthogonal_to`` (``(k, b)`` gradient-side directions ``q``)
         adds ``(q / S)^T u = 0``: a row ``p`` of ``Q^{-1}`` is orthogonal to the columns of
         ``Q`` of every other sample, so the samples not among the ``q`` (and not mixed into
-        them) stay feasible while the others are cut off.
+        them) stay feasible while the others are cut off. ``objective`` (``(b,)``, on ``u`` itself)
+        replaces ``weights^T V`` where the programme is steered by something other than the features.
         """
         matrix = self.basis.detach().cpu().numpy()
         b = matrix.shape[1]
@@ -158,7 +164,7 @@ class InputSide:
             equalities = np.concatenate([equalities, rows])
             targets = np.concatenate([targets, np.zeros(rows.shape[0])])
         result = linprog(
-            weights @ matrix,
+            weights @ matrix if objective is None else objective,
             A_ub=-matrix,
             b_ub=np.full(matrix.shape[0], self.tolerance.absolute / math.sqrt(matrix.shape[0])),
             A_eq=equalities,
