@@ -11,8 +11,12 @@ A reconstruction ``X`` (``b`` rows) is checked three ways, none of which needs g
 * **Distinct rows.** No two rows may be closer than the noise lets them be told apart, and
   no two rows may share one ReLU pattern: the directions of two samples with the same pattern
   have the same zeros, so any mixture of them explains the update equally well and the batch
-  is not identifiable from it.
+  is not identifiable from it; nor may two patterns nest (one sample's inactive neurons all
+  inactive for the other), which leaves a family of batches that explain it equally well.
 * **Rank.** ``X`` must have full rank ``b`` above the noise.
+
+Where several local steps move the patterns away from ``W``'s, rows that lie on an 8-bit pixel
+grid are certified by it in place of the re-synthesis (:func:`pixel_grid_self_check`).
 
 Everything runs on ``b x b``, ``m x b`` and ``b x n`` matrices (the inputs are expressed in
 an orthonormal basis of their rows), so the check costs ``O(m b^2 + n b^2)``.
