@@ -100,7 +100,9 @@ class PixelGrid:
         combination on the grid, which the grid cannot tell from the samples. Where the rows do not
         span all 256 levels, the range is every window of 256 levels that holds them (the widest).
         """
-        blocks = _channel_view(inputs.detach().to(torch.float64), self.layout, len(self.channels))
+        blocks = _channel_view(
+            inputs.detach().to(device="cpu", dtype=torch.float64), self.layout, len(self.channels)
+        )
         b = blocks.shape[0]
         within = torch.ones(b, b, dtype=torch.bool)
         for index, lattice in enumerate(self.channels):
@@ -139,7 +141,7 @@ def pixel_grid(inputs: torch.Tensor) -> PixelGrid | None:
     """
     if inputs.ndim != 2 or inputs.shape[0] == 0:
         raise ValueError(f"inputs must be a non-empty (b, n) matrix, got shape {tuple(inputs.shape)}")
-    x = inputs.detach().to(torch.float64)
+    x = inputs.detach().to(device="cpu", dtype=torch.float64)  # sorts and a few passes: the host's work
     if not bool(torch.isfinite(x).all()):
         return None
     n = x.shape[1]

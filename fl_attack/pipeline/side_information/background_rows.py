@@ -136,7 +136,7 @@ def background_rows(
         vertex = _vertex(side, weights, steer=steer, seconds=deadline.remaining())
         if vertex is None:
             continue
-        refined, zeros = side.refine(torch.from_numpy(vertex).to(side.basis.dtype)[None, :])
+        refined, zeros = side.refine(torch.from_numpy(vertex).to(side.basis)[None, :])
         if refined.shape[0] == 0:
             continue
         row = rotation @ (refined[0].to(rotation.device) / scales)
@@ -149,7 +149,8 @@ def background_rows(
         candidates.append(row)
         zero_counts.append(int(zeros[0]))
         sizes.append(float((row @ shifted).norm()) / scale)
-        rows = _sample_rows(torch.stack(candidates), torch.tensor(zero_counts), torch.tensor(sizes), size=b)
+        counts, norms = torch.tensor(zero_counts, device=left.device), torch.tensor(sizes, device=left.device)
+        rows = _sample_rows(torch.stack(candidates), counts, norms, size=b)
     if rows.shape[0] == b - 1:
         last = _last_row(rows, left, tolerance)
         if last is not None and float(last @ rho) > 0:
