@@ -130,11 +130,12 @@ class CellResult:
     wrong_claims: int
     seconds: list[float]
     grid_claims: int = 0
+    lattice_claims: int = 0  # of the grid's: batches found through the pixel lattice
 
 
 def run_cell(cell: TrainingCell, data: ImageData, *, batches: int, time_budget: float) -> CellResult:
     """Attack ``batches`` clients (seeds 0, 1, ...) of one cell."""
-    exact = approx = claimed = wrong = grid = 0
+    exact = approx = claimed = wrong = grid = lattice = 0
     seconds: list[float] = []
     for seed in range(batches):
         images, weight_delta, bias_delta, layer = client_update(cell, data, seed=seed)
@@ -153,8 +154,9 @@ def run_cell(cell: TrainingCell, data: ImageData, *, batches: int, time_budget: 
         is_claimed = rec.complete and rec.self_check is not None and rec.self_check.exact
         claimed += int(is_claimed)
         grid += int(is_claimed and bool(rec.stats.get("self_check_certificate")))
+        lattice += int(is_claimed and rec.stats.get("stopped_by") == "pixel_lattice")
         wrong += int(is_claimed and quality.exact_fraction < 1.0)
-    return CellResult(cell, batches * cell.samples, exact, approx, claimed, wrong, seconds, grid)
+    return CellResult(cell, batches * cell.samples, exact, approx, claimed, wrong, seconds, grid, lattice)
 
 
 def markdown(results: Sequence[CellResult], *, dataset: str, time_budget: float) -> str:
@@ -176,7 +178,10 @@ def markdown(results: Sequence[CellResult], *, dataset: str, time_budget: float)
 
 
 def _by_grid(result: CellResult) -> str:
-    return f" ({result.grid_claims} by the pixel grid)" if result.grid_claims else ""
+    if not result.grid_claims:
+        return ""
+    found = f", {result.lattice_claims} found through its lattice" if result.lattice_claims else ""
+    return f" ({result.grid_claims} by the pixel grid{found})"
 
 
 @dataclass(frozen=True)

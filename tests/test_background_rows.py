@@ -74,9 +74,14 @@ def test_digits_trained_over_several_epochs_are_reached_from_the_background_and_
 
 
 def test_without_the_background_rows_the_same_digits_are_not_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the claim above rests on: the sphere search's own selection is not the batch here."""
+    """What the claim above rests on: the sphere search's own selection is not the batch here.
+    The pixel lattice reaches these digits too; with both switched off nothing is claimed."""
     inputs, update = _epochs_update(seed=2)
     monkeypatch.setattr(spear_module, "background_rows", lambda *args, **kwargs: None)
+    rec = _attack(update)
+    assert rec is not None and rec.complete and rec.stats["stopped_by"] == "pixel_lattice"
+    _assert_every_row_is_a_true_sample(rec, inputs)
+    monkeypatch.setattr(spear_module, "find_lattice", lambda *args, **kwargs: None)
     rec = _attack(update)
     assert rec is not None and not rec.complete
     assert rec.stats["background_rows"] == "not every sample reached"

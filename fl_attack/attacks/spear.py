@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import math
 from abc import abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -59,6 +60,14 @@ from fl_attack.pipeline.side_information.next_layer import (
     with_certified_rows,
 )
 from fl_attack.pipeline.side_information.output_layer import HeadPrior, HeadRounds, interleave_head_rounds
+from fl_attack.pipeline.side_information.pixel_lattice import (
+    ClientUpdate,
+    ImageLattice,
+    find_lattice,
+    grid_lattice,
+    lattice_batch,
+    left_out_rows,
+)
 from fl_attack.pipeline.spectrum.decompose import LowRankFactors, noise_std, weakest_sample_margins
 from fl_attack.reconstruction import Reconstruction
 from fl_attack.types import ArrayLike, LayerUpdate, ObservedUpdate, resolve_device
@@ -94,6 +103,9 @@ SETTLED_MATCHING = 0.9
 #: Share of the search's remaining time the input side shifted by a shared background may take, once.
 BACKGROUND_SHARE = 0.25
 
+#: Share of the search's remaining time that finding the pixel lattice may take (once).
+LATTICE_SHARE = 0.25
+
 
 @dataclass
 class SearchState:
@@ -115,6 +127,54 @@ class SearchState:
     epoch_tried: list[torch.Tensor] = field(default_factory=list)  # known columns of the epoch scans
     grid_of: Selection | None = None  # the last complete selection whose rows were read for a pixel grid
     grid: PixelGrid | None = None  # and the grid they lie on (None: none)
+    lattice: ImageLattice | None = None  # the row space's integer images, once found
+    lattice_tried: bool = False  # whether the lattice was looked for
+    lattice_of: Selection | None = None  # the last selection whose rows were decoded
+    lattice_confirmed: Selection | None = None  # the batch the lattice made (each row left out)
+
+
+def _rows_come_back(scorer: SparsityMatchingScorer, grid: PixelGrid, inputs: torch.Tensor) -> bool:
+    """Whether each of a whole batch's rows on ``grid``, left out, comes back as itself from the
+    others and the update (:func:`fl_attack.pipeline.side_information.pixel_lattice.left_out_rows`):
+    the grid rules out blends, this rules out integer combinations of other samples that stay in
+    the 256 levels (a low-contrast image plus the difference of two others)."""
+    seen = _client_update(scorer)
+    frame = grid_lattice(
+        grid.layout, tuple(channel.step for channel in grid.channels), torch.from_numpy(seen.right)
+    )
+    snapped = grid.snap(inputs.detach().to(device="cpu", dtype=torch.float64)).numpy()
+    offset = np.asarray([channel.offset for channel in grid.channels]) @ frame.channels
+    levels = np.rint((snapped - offset) / frame.scale)
+    kept = left_out_rows(frame, levels, frame.inputs(levels)[0], seen)
+    return kept is not None
+
+
+def _client_update(scorer: SparsityMatchingScorer) -> ClientUpdate:
+    """The scorer's update as the pixel lattice reads it (host, float64)."""
+
+    def host(tensor: torch.Tensor) -> np.ndarray:
+        return tensor.detach().to(device="cpu", dtype=torch.float64).numpy()
+
+    left = host(scorer.factors.left)
+    return ClientUpdate(
+        left=left,
+        right=host(scorer.factors.right),
+        bias_direction=left.T @ host(scorer.update.bias_update),
+        weight=host(scorer.update.weight),
+        bias=host(scorer.update.bias),
+    )
+
+
+def _whole_selection(scorer: SparsityMatchingScorer, directions: torch.Tensor) -> Selection:
+    """The selection of ``(b, b)`` directions that make a whole batch."""
+    per_sample, _ = scorer.score(directions)
+    return Selection(
+        directions=directions,
+        found=torch.ones(directions.shape[0], dtype=torch.bool, device=directions.device),
+        inputs=scorer.inputs(directions),
+        per_sample=per_sample,
+        sparsity_matching=float(per_sample.mean()),
+    )
 
 
 class GradientInversionAttack(LayerAttackBase):
@@ -160,6 +220,11 @@ class GradientInversionAttack(LayerAttackBase):
     local_steps
         Full-batch local SGD steps behind every update this attack sees, when known (FedAvg; see
         ``invert``); 1 for FedSGD.
+    image_std
+        The clients' per-channel normalization ``std`` (``x = (pixel / 255 - mean) / std``; one
+        value for every channel), when known: the pixel lattice
+        (:mod:`fl_attack.pipeline.side_information.pixel_lattice`) tries it before reading the
+        channels' steps from the update itself (which needs neither ``mean`` nor ``std``).
     """
 
     name = "attack"
@@ -179,6 +244,7 @@ class GradientInversionAttack(LayerAttackBase):
         patience: int = 3,
         progress: bool | None = None,
         local_steps: int = 1,
+        image_std: Sequence[float] | None = None,
     ) -> None:
         check_time_budget(time_budget)
         check_local_steps(local_steps)
@@ -197,6 +263,7 @@ class GradientInversionAttack(LayerAttackBase):
         self.patience = patience
         self.progress = progress
         self.local_steps = local_steps
+        self.image_std = _checked_image_std(image_std)
 
     def attack(
         self,
@@ -297,12 +364,13 @@ class GradientInversionAttack(LayerAttackBase):
         selection = self._run(state, scorer)
         accepted = self._accepted(selection, scorer)
         # rows on an 8-bit pixel grid are images whatever their patterns at W_0 (several local epochs)
-        grid = None if accepted else self._pixel_grid(state, selection)
+        grid = None if accepted else self._pixel_grid(state, selection, scorer)
         # certified rows are exact by themselves: they go into any batch not accepted (never in a noisy
         # one, whose claim reads the selection's matching)
         keep_complete = accepted or state.noisy or grid is not None
         selection = with_certified_rows(selection, state.deflation, keep_complete=keep_complete)
-        if not accepted and stats.get("stopped_by") != "no_improvement" and state.deadline.expired():
+        certified_stop = stats.get("stopped_by") in ("no_improvement", "pixel_grid", "pixel_lattice")
+        if not accepted and not certified_stop and state.deadline.expired():
             stats["stopped_by"] = "time_budget"  # a stage stopped at the deadline
         stats.update(
             candidates=len(pool),
@@ -342,6 +410,19 @@ class GradientInversionAttack(LayerAttackBase):
                 check, grid, inputs=inputs, factors=factors, bias_grad=update.bias_update
             )
             if check.certificate:
+                found = (
+                    f"; found through the lattice of integer images in the update's row space "
+                    f"({stats['pixel_lattice_decoded']} decoded from the search's rows, "
+                    f"{stats['pixel_lattice_completed']} completed through the update)"
+                    if selection is state.lattice_confirmed
+                    else ""
+                )
+                check = replace(
+                    check,
+                    certificate=check.certificate
+                    + "; each row, left out, comes back as itself from the others and the update"
+                    + found,
+                )
                 inputs = grid.snap(inputs)  # their exact pixels
                 confidence = torch.ones_like(confidence)
                 stats.update(grid.stats())
@@ -427,17 +508,22 @@ class GradientInversionAttack(LayerAttackBase):
                     bar.refresh()
                     if self._accepted(best, scorer):
                         break
-                    if self._pixel_grid(state, best) is not None:
+                    if self._pixel_grid(state, best, scorer) is not None:
                         state.stats["stopped_by"] = "pixel_grid"
                         break
                     if not rows_tried and not state.noisy:
                         # the first selection falls short: try the whole batch from the input side
                         rows_tried = True
                         from_rows = self._background_selection(state, scorer)
-                        if from_rows is not None and self._pixel_grid(state, from_rows) is not None:
+                        if from_rows is not None and self._pixel_grid(state, from_rows, scorer) is not None:
                             best = state.latest = from_rows
                             state.stats["stopped_by"] = "pixel_grid"
                             break
+                    from_lattice = self._lattice_selection(state, scorer, best)
+                    if from_lattice is not None and self._pixel_grid(state, from_lattice, scorer) is not None:
+                        best = state.latest = from_lattice
+                        state.stats["stopped_by"] = "pixel_lattice"
+                        break
                     if self._settled(state, best, stale):
                         state.stats["stopped_by"] = "no_improvement"
                         break
@@ -486,22 +572,73 @@ class GradientInversionAttack(LayerAttackBase):
         )
         if directions is None:
             return None
-        per_sample, _ = scorer.score(directions)
-        return Selection(
-            directions=directions,
-            found=torch.ones(b, dtype=torch.bool, device=directions.device),
-            inputs=scorer.inputs(directions),
-            per_sample=per_sample,
-            sparsity_matching=float(per_sample.mean()),
-        )
+        return _whole_selection(scorer, directions)
+
+    def _lattice_selection(
+        self, state: SearchState, scorer: SparsityMatchingScorer, selection: Selection
+    ) -> Selection | None:
+        """The batch from the integer images of the row space
+        (:mod:`fl_attack.pipeline.side_information.pixel_lattice`): ``selection``'s rows decoded,
+        the rest completed through the update; None where it gives no whole batch. The lattice is
+        looked for once, within a share of the search's time; each selection is decoded once."""
+        if state.noisy or state.lattice_of is selection or scorer.factors.batch_size < 2:
+            return None
+        state.lattice_of = selection
+        seen = _client_update(scorer)
+        right = torch.from_numpy(seen.right)
+        approximate = selection.inputs.detach().to(device="cpu", dtype=torch.float64)
+        if not state.lattice_tried:
+            state.lattice_tried = True
+            state.lattice = find_lattice(
+                right,
+                approximate,
+                image_std=self.image_std,
+                generator=np.random.default_rng(self.seed or 0),
+                deadline=state.deadline.within(LATTICE_SHARE * max(0.0, state.deadline.remaining())),
+                constant=torch.from_numpy(seen.bias_direction),
+            )
+            state.stats["pixel_lattice"] = (
+                "none: no 8-bit lattice in the row space (a row's grid, image_std, the channels' "
+                "steps read from it and grey tried)"
+                if state.lattice is None
+                else f"{state.lattice.layout}, steps {', '.join(f'{s:.6g}' for s in state.lattice.steps)}"
+            )
+        if state.lattice is None:
+            return None
+        batch = lattice_batch(state.lattice, approximate.numpy(), seen)
+        if batch is None:
+            return None
+        state.stats["pixel_lattice_decoded"] = batch.decoded
+        state.stats["pixel_lattice_completed"] = batch.completed
+        rows = torch.from_numpy(batch.inputs @ seen.pseudo)  # rows of Q^{-1}
+        directions = torch.linalg.inv(rows).T
+        directions = (directions / directions.norm(dim=1, keepdim=True)).to(scorer.factors.left)
+        state.lattice_confirmed = _whole_selection(scorer, directions)  # its rows were left out already
+        return state.lattice_confirmed
 
     @staticmethod
-    def _pixel_grid(state: SearchState, selection: Selection) -> PixelGrid | None:
-        """The 8-bit pixel grid a complete clean selection's rows lie on (read once per selection)."""
+    def _pixel_grid(
+        state: SearchState, selection: Selection, scorer: SparsityMatchingScorer
+    ) -> PixelGrid | None:
+        """The 8-bit pixel grid a complete clean selection's rows lie on, once each row, left out,
+        came back as itself from the others and the update
+        (:func:`fl_attack.pipeline.side_information.pixel_lattice.left_out_rows`; a batch from the
+        lattice was judged so already). Read once per selection."""
         if state.noisy or not selection.complete or not bool(selection.found.all()):
             return None
         if state.grid_of is not selection:
-            state.grid_of, state.grid = selection, pixel_grid(selection.inputs)
+            grid = pixel_grid(selection.inputs)
+            if (
+                grid is not None
+                and state.lattice_confirmed is not selection
+                and not _rows_come_back(scorer, grid, selection.inputs)
+            ):
+                state.stats["pixel_grid_left_out"] = (
+                    "rows on an 8-bit grid, but one, left out, does not come back as itself from the "
+                    "others and the update: not certified"
+                )
+                grid = None
+            state.grid_of, state.grid = selection, grid
         return state.grid
 
     def _without_weight_decay(
@@ -612,3 +749,14 @@ class GradientInversionAttack(LayerAttackBase):
     @abstractmethod
     def _proposals(self, state: SearchState) -> Iterator[torch.Tensor]:
         """Yield batches of ``(k, b)`` candidate directions until the budget is spent."""
+
+
+def _checked_image_std(image_std: Sequence[float] | None) -> tuple[float, ...] | None:
+    if image_std is None:
+        return None
+    values = tuple(float(v) for v in image_std)
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(
+            f"image_std must be one or more positive finite numbers (one per channel), got {image_std!r}"
+        )
+    return values
