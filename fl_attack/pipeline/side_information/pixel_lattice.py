@@ -32,13 +32,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from fpylll import BKZ, LLL, IntegerMatrix
 
 from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.selection.pixel_grid import LEVELS, pixel_grid
+
+if TYPE_CHECKING:
+    from fpylll import IntegerMatrix
 
 __all__ = [
     "ClientUpdate",
@@ -288,14 +292,17 @@ def image_lattice(
     _, _, vt = np.linalg.svd(restricted)
     complement = vt[rank:].T  # (width, width - r): the restricted span's orthogonal complement
     embedding = np.hstack([np.eye(width), np.rint(EMBEDDING_WEIGHT * complement)]).astype(np.int64)
-    reduced = IntegerMatrix.from_matrix(embedding.tolist())
-    LLL.reduction(reduced)
+    fp = _fpylll()
+    reduced = fp.IntegerMatrix.from_matrix(embedding.tolist())
+    fp.LLL.reduction(reduced)
     # LLL alone lets accidental near-integer vectors through where float32 rounding blurs the row
     # space (s_b / s_{b+1} ~ 4e4); a few block-20 BKZ tours put the images' combinations first
     seconds = deadline.remaining() if deadline is not None else math.inf
     if seconds >= 1:  # fpylll counts whole seconds, and 0 means no limit
         limit = {"max_time": int(seconds)} if math.isfinite(seconds) else {}
-        BKZ.reduction(reduced, BKZ.Param(block_size=min(BKZ_BLOCK, width), max_loops=BKZ_TOURS, **limit))
+        fp.BKZ.reduction(
+            reduced, fp.BKZ.Param(block_size=min(BKZ_BLOCK, width), max_loops=BKZ_TOURS, **limit)
+        )
     short = _values(reduced)[:rank, :width]
     coefficients = np.linalg.lstsq(restricted.T, short.T, rcond=None)[0]  # (r, r)
     lifted = coefficients.T @ span
@@ -304,8 +311,8 @@ def image_lattice(
         return None
     if np.linalg.matrix_rank(integer) < rank:
         return None
-    basis = IntegerMatrix.from_matrix(integer.astype(np.int64).tolist())
-    LLL.reduction(basis)
+    basis = fp.IntegerMatrix.from_matrix(integer.astype(np.int64).tolist())
+    fp.LLL.reduction(basis)
     values = _values(basis)
     varying = values[
         np.abs(values - values @ channels.T @ channels / (channels.sum(axis=1) @ channels)).max(axis=1) > 0
@@ -574,9 +581,10 @@ def _beyond(basis: np.ndarray, fixed: np.ndarray) -> np.ndarray:
     inside = (basis @ fixed_q) @ fixed_q.T
     outside = basis - inside
     weighted = np.rint(QUOTIENT_SCALE * (outside + QUOTIENT_INSIDE_WEIGHT * inside)).astype(np.int64)
-    reduced = IntegerMatrix.from_matrix(weighted.tolist())
-    transform = IntegerMatrix.identity(basis.shape[0])
-    LLL.reduction(reduced, transform)
+    fp = _fpylll()
+    reduced = fp.IntegerMatrix.from_matrix(weighted.tolist())
+    transform = fp.IntegerMatrix.identity(basis.shape[0])
+    fp.LLL.reduction(reduced, transform)
     points = _values(transform) @ basis
     residual = np.linalg.norm(points - (points @ fixed_q) @ fixed_q.T, axis=1)
     return points[residual > MIN_RESIDUAL_LEVELS]
@@ -821,6 +829,30 @@ def _fits_levels(levels: np.ndarray, channels: np.ndarray) -> bool:
         if not 0 < extent <= LEVELS - 1:
             return False
     return True
+
+
+def _fpylll() -> ModuleType:
+    """fpylll, imported on first use. Its cysignals installs signal handlers when imported, which
+    only the main thread may do; Flower loads a ServerApp (and the audit runs attacks) in other
+    threads, so there the import goes ahead without installing them."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        import fpylll
+
+        return fpylll
+    installing = signal.signal
+
+    def keep(signalnum: Any, handler: Any) -> Any:
+        return signal.getsignal(signalnum)
+
+    signal.signal = keep
+    try:
+        import fpylll
+    finally:
+        signal.signal = installing
+    return fpylll
 
 
 def _values(matrix: IntegerMatrix) -> np.ndarray:
