@@ -274,7 +274,9 @@ def run_cnn_client(
         close = int((errors < CLOSE_RELATIVE_ERROR).sum())
     keys = ("estimated_batch_size", "relative_noise", "directions_found", "stopped_by", "input_side")
     details = {key: record.attack[key] for key in keys if key in record.attack}
-    return CnnClientResult(samples, exact, close, record.verdict, record.verdict_reason, seconds, details)
+    return CnnClientResult(
+        samples, exact, close, record.verdict or "", record.verdict_reason or "", seconds, details
+    )
 
 
 def cnn_markdown(

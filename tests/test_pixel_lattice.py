@@ -115,6 +115,29 @@ def test_the_step_is_read_from_a_row_on_its_grid_before_the_users() -> None:
     ]
 
 
+def test_a_rows_steps_are_refined_in_the_row_space() -> None:
+    # a row up to 0.08 of a level off (an approximate search row still on its grid) reads steps
+    # that are slightly off; the row space holds the one sample its levels stand for
+    truth = _normalize(_pixels(8, 400, seed=6))
+    right = _row_space(truth, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    off = truth[3] + 0.08 * (torch.rand(truth.shape[1], generator=generator, dtype=torch.float64) - 0.5) * (
+        torch.tensor(STEPS, dtype=torch.float64).repeat_interleave(400)
+    )
+    off[:400] += 0.04 * STEPS[0] * torch.linspace(-1, 1, 400, dtype=torch.float64)  # a drifting error
+    read = candidate_steps(off[None, :])
+    refined = candidate_steps(off[None, :], right=right)
+    true_ratios = np.array(STEPS) / STEPS[0]
+    read_error = np.abs(np.array(read[0][1]) / read[0][1][0] - true_ratios).max()
+    refined_error = np.abs(np.array(refined[0][1]) / refined[0][1][0] - true_ratios).max()
+    assert refined_error < 1e-9 < 1e-6 < read_error
+    assert refined[1] == read[0]  # the row's own reading stays as the next try
+    lattice = image_lattice(
+        right, layout=refined[0][0], steps=refined[0][1], generator=np.random.default_rng(0)
+    )
+    assert lattice is not None and decode_rows(lattice, truth.numpy())[0].shape[0] == 8
+
+
 def test_approximate_rows_decode_to_the_exact_images() -> None:
     truth = _normalize(_pixels(8, 64, seed=4))
     right = _row_space(truth, seed=5)
