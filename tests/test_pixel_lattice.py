@@ -4,6 +4,8 @@ decoded row that holds other samples replaced; and several epochs claimed throug
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from test_claims_property import _assert_every_row_is_a_true_sample, _local_trai
 from test_pixel_grid import STD, _normalize, _pixels
 
 import fl_attack.attacks.spear as spear_module
+import fl_attack.pipeline.side_information.pixel_lattice as pixel_lattice
 from fl_attack import SpearPlusPlus
 from fl_attack.pipeline.budget.budget import Deadline
 from fl_attack.pipeline.selection.pixel_grid import pixel_grid
@@ -282,6 +285,46 @@ def test_without_the_lattice_the_same_update_is_not_claimed(monkeypatch: pytest.
         **update.arrays()
     )
     assert rec is not None and not rec.complete
+
+
+def test_a_batch_above_the_limit_is_not_searched_for_a_lattice(monkeypatch: pytest.MonkeyPatch) -> None:
+    truth = _normalize(_pixels(8, 64, seed=0))
+    right = _row_space(truth, seed=1)
+    found = find_lattice(right, truth, generator=np.random.default_rng(0), deadline=Deadline.never())
+    assert found is not None
+    monkeypatch.setattr(pixel_lattice, "MAX_LATTICE_BATCH", 7)
+    assert find_lattice(right, truth, generator=np.random.default_rng(0), deadline=Deadline.never()) is None
+    # the attack says why it did not look
+    _, update = _trained(seed=12, b=20, epochs=8, lr=0.3)
+    monkeypatch.setattr(spear_module, "MAX_LATTICE_BATCH", 19)
+    rec = SpearPlusPlus(seed=0, time_budget=5.0, max_initializations=768, progress=False).invert(
+        **update.arrays()
+    )
+    assert rec is not None and not rec.complete
+    assert rec.stats["pixel_lattice"].startswith("not looked for: a batch of 20 is above 19")
+
+
+def test_a_reduction_fplll_gives_up_on_is_no_lattice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fplll's double-precision BKZ can abort ("infinite loop in babai", measured at b = 100);
+    # cysignals turns the abort into a RuntimeError, which must cost the lattice, not the attack
+    fp = pixel_lattice._fpylll()
+
+    def gives_up(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Aborted")
+
+    failing = SimpleNamespace(
+        IntegerMatrix=fp.IntegerMatrix,
+        LLL=fp.LLL,
+        BKZ=SimpleNamespace(reduction=gives_up, Param=fp.BKZ.Param),
+    )
+    monkeypatch.setattr(pixel_lattice, "_fpylll", lambda: failing)
+    truth = _normalize(_pixels(8, 64, seed=0))
+    right = _row_space(truth, seed=1)
+    assert (
+        image_lattice(right, layout="channels-first", steps=STEPS, generator=np.random.default_rng(0)) is None
+    )
+    failing.LLL = SimpleNamespace(reduction=gives_up)
+    assert pixel_lattice._beyond(np.eye(4), np.eye(4)[:1]).shape == (0, 4)
 
 
 def test_image_std_must_be_positive() -> None:

@@ -61,6 +61,7 @@ from fl_attack.pipeline.side_information.next_layer import (
 )
 from fl_attack.pipeline.side_information.output_layer import HeadPrior, HeadRounds, interleave_head_rounds
 from fl_attack.pipeline.side_information.pixel_lattice import (
+    MAX_LATTICE_BATCH,
     ClientUpdate,
     ImageLattice,
     find_lattice,
@@ -586,7 +587,14 @@ class GradientInversionAttack(LayerAttackBase):
         (:mod:`fl_attack.pipeline.side_information.pixel_lattice`): ``selection``'s rows decoded,
         the rest completed through the update; None where it gives no whole batch. The lattice is
         looked for once, within a share of the search's time; each selection is decoded once."""
-        if state.noisy or state.lattice_of is selection or scorer.factors.batch_size < 2:
+        b = scorer.factors.batch_size
+        if state.noisy or state.lattice_of is selection or b < 2:
+            return None
+        if b > MAX_LATTICE_BATCH:
+            state.stats["pixel_lattice"] = (
+                f"not looked for: a batch of {b} is above {MAX_LATTICE_BATCH}, where the reduction "
+                "takes longer than the search's share and loses precision"
+            )
             return None
         state.lattice_of = selection
         seen = _client_update(scorer)

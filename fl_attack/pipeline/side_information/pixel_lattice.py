@@ -85,6 +85,11 @@ BKZ_TOURS = 8
 #: A lifted basis vector this far from integer (in levels) means a wrong step or layout.
 MAX_LIFT_DEVIATION = 0.05
 
+#: The largest batch the lattice is looked for in. At b = 100 (m = 1000, CIFAR-10) one channel's
+#: reduction took 45-61 s, more than a search's share, and fplll's BKZ in double precision failed
+#: there ("infinite loop in babai"); at b = 50 it takes about 2 s.
+MAX_LATTICE_BATCH = 64
+
 #: Weight of the row-space residual against the integer part in the reduction's embedding: about
 #: the inverse of the row space's precision (float32 updates: ``s_{b+1} / s_b`` of 1e-5 to 3e-5).
 EMBEDDING_WEIGHT = 1e6
@@ -329,15 +334,18 @@ def image_lattice(
     embedding = np.hstack([np.eye(width), np.rint(EMBEDDING_WEIGHT * complement)]).astype(np.int64)
     fp = _fpylll()
     reduced = fp.IntegerMatrix.from_matrix(embedding.tolist())
-    fp.LLL.reduction(reduced)
-    # LLL alone lets accidental near-integer vectors through where float32 rounding blurs the row
-    # space (s_b / s_{b+1} ~ 4e4); a few block-20 BKZ tours put the images' combinations first
-    seconds = deadline.remaining() if deadline is not None else math.inf
-    if seconds >= 1:  # fpylll counts whole seconds, and 0 means no limit
-        limit = {"max_time": int(seconds)} if math.isfinite(seconds) else {}
-        fp.BKZ.reduction(
-            reduced, fp.BKZ.Param(block_size=min(BKZ_BLOCK, width), max_loops=BKZ_TOURS, **limit)
-        )
+    try:
+        fp.LLL.reduction(reduced)
+        # LLL alone lets accidental near-integer vectors through where float32 rounding blurs the
+        # row space (s_b / s_{b+1} ~ 4e4); a few block-20 BKZ tours put the images' combinations first
+        seconds = deadline.remaining() if deadline is not None else math.inf
+        if seconds >= 1:  # fpylll counts whole seconds, and 0 means no limit
+            limit = {"max_time": int(seconds)} if math.isfinite(seconds) else {}
+            fp.BKZ.reduction(
+                reduced, fp.BKZ.Param(block_size=min(BKZ_BLOCK, width), max_loops=BKZ_TOURS, **limit)
+            )
+    except RuntimeError:
+        return None  # fplll gave up (its abort, turned into this error by cysignals): no lattice
     short = _values(reduced)[:rank, :width]
     coefficients = np.linalg.lstsq(restricted.T, short.T, rcond=None)[0]  # (r, r)
     lifted = coefficients.T @ span
@@ -347,7 +355,10 @@ def image_lattice(
     if np.linalg.matrix_rank(integer) < rank:
         return None
     basis = fp.IntegerMatrix.from_matrix(integer.astype(np.int64).tolist())
-    fp.LLL.reduction(basis)
+    try:
+        fp.LLL.reduction(basis)
+    except RuntimeError:
+        return None
     values = _values(basis)
     varying = values[
         np.abs(values - values @ channels.T @ channels / (channels.sum(axis=1) @ channels)).max(axis=1) > 0
@@ -368,7 +379,8 @@ def find_lattice(
     constant: torch.Tensor | None = None,
 ) -> ImageLattice | None:
     """The first steps that put a lattice of integer images in the row space of ``right``
-    (:func:`image_lattice`), or None (none do, or ``deadline`` passed first). Tried in turn: a
+    (:func:`image_lattice`), or None (none do, ``deadline`` passed first, or the batch is larger
+    than :data:`MAX_LATTICE_BATCH`). Tried in turn: a
     row's own grid and the user's ``image_std`` (:func:`candidate_steps`), the colour channels'
     steps read from the row space (:func:`channel_steps`), then grey (one channel: any step).
     Nothing else is tried: where no channel holds a lattice of its own, no guessed ratio does
@@ -376,6 +388,8 @@ def find_lattice(
 
     Steps whose ratios are off by a simple fraction (``6 / 5``) put a lattice of multiples of the
     images there, which :func:`image_lattice` passes over (its shortest vector is too long)."""
+    if right.shape[0] > MAX_LATTICE_BATCH:
+        return None
     tried: set[tuple[str, tuple[float, ...]]] = set()
 
     def attempt(layout: str, steps: tuple[float, ...]) -> ImageLattice | None:
@@ -622,7 +636,10 @@ def _beyond(basis: np.ndarray, fixed: np.ndarray) -> np.ndarray:
     fp = _fpylll()
     reduced = fp.IntegerMatrix.from_matrix(weighted.tolist())
     transform = fp.IntegerMatrix.identity(basis.shape[0])
-    fp.LLL.reduction(reduced, transform)
+    try:
+        fp.LLL.reduction(reduced, transform)
+    except RuntimeError:
+        return np.zeros((0, basis.shape[1]))  # fplll gave up: no points
     points = _values(transform) @ basis
     residual = np.linalg.norm(points - (points @ fixed_q) @ fixed_q.T, axis=1)
     return points[residual > MIN_RESIDUAL_LEVELS]
